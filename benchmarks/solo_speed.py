@@ -1,0 +1,81 @@
+"""Solo speed of one request: prefill tok/s and decode tok/s.
+
+    python benchmarks/solo_speed.py                          # default model, CPU
+    python benchmarks/solo_speed.py --model random:smollm2-135m --devices cuda:0
+
+Prints a table with the machine, commit and settings, and appends the raw numbers to
+benchmarks/results.jsonl. Prompts are random token ids: speed does not depend on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from strata.bench.report import append_result, commit, machine, markdown_table
+from strata.cli import add_engine_flags, engine_config
+from strata.engine.engine import Engine
+from strata.errors import StrataError
+from strata.sampling.params import SamplingParams
+
+
+def measure(engine: Engine, prompt_tokens: int, decode_tokens: int, seed: int) -> tuple[float, float]:
+    """(prefill seconds, decode seconds for decode_tokens - 1 steps) of one request."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, engine.model_config.vocab_size, (prompt_tokens,), generator=gen)
+    request = engine.add_request(prompt.tolist(), SamplingParams(
+        temperature=0, max_tokens=decode_tokens, ignore_eos=True))
+    start = time.perf_counter()
+    while request.num_output_tokens == 0:
+        engine.step()
+    first = time.perf_counter()
+    while not request.finished:
+        engine.step()
+    return first - start, time.perf_counter() - first
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--results", default=str(Path(__file__).parent / "results.jsonl"))
+    add_engine_flags(parser)
+    args = parser.parse_args()
+    if args.max_window_tokens < args.prompt_tokens:
+        args.max_window_tokens = args.prompt_tokens  # one prefill window
+    try:
+        config = engine_config(args)
+        engine = Engine(config)
+    except StrataError as e:
+        print(f"solo_speed: error: {e}", file=sys.stderr)
+        return 2
+    measure(engine, min(args.prompt_tokens, 32), 4, seed=99)  # warm-up
+    prefill, decode = [], []
+    for i in range(args.repeats):
+        p, d = measure(engine, args.prompt_tokens, args.decode_tokens, seed=i)
+        prefill.append(args.prompt_tokens / p)
+        decode.append((args.decode_tokens - 1) / d)
+    model = args.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)"
+    settings = (f"devices={','.join(config.devices)} dtype={config.torch_dtype()} "
+                f"kv={config.kv_dtype()} split={list(config.layer_split) or '-'} "
+                f"threads={torch.get_num_threads()}")
+    print(f"machine: {machine()}\ncommit: {commit()}\nmodel: {model}\nsettings: {settings}\n")
+    print(markdown_table(
+        ["prompt tokens", "decode tokens", "prefill tok/s (median)", "decode tok/s (median)"],
+        [[args.prompt_tokens, args.decode_tokens, f"{statistics.median(prefill):.0f}",
+          f"{statistics.median(decode):.1f}"]]))
+    append_result(args.results, {
+        "benchmark": "solo_speed", "model": model, "settings": settings,
+        "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
+        "prefill_tok_s": prefill, "decode_tok_s": decode})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmark support: machine and commit description, tables, results files."""

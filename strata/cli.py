@@ -1,0 +1,109 @@
+"""The `strata` command line. Engine flags are generated from EngineConfig's fields, so
+every flag maps one to one onto a typed setting. Errors a user can fix print one line
+and exit with status 2; nothing the user types produces a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from strata.config import EngineConfig, config_fields
+from strata.errors import StrataError
+
+
+def _list_of(kind):
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(kind(part.strip()) for part in text.split(",") if part.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"'{text}' is not a comma-separated list of {kind.__name__} values") from None
+    return parse
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    for f in config_fields():
+        flag = "--" + f.name.replace("_", "-")
+        kind = f.metadata.get("list_of")
+        if kind is not None:
+            parser.add_argument(flag, type=_list_of(kind), default=f.default, help=f.metadata["help"])
+        else:
+            base = int if f.type in ("int", "int | None") else str
+            parser.add_argument(flag, type=base, default=f.default, help=f.metadata["help"])
+    parser.add_argument("--device", dest="devices", type=_list_of(str), default=argparse.SUPPRESS,
+                        help="alias of --devices")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in config_fields()})
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser, *, temperature: float) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
+    parser.add_argument("--temperature", type=float, default=temperature,
+                        help=f"sampling temperature, 0 = greedy (default {temperature})")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params(args: argparse.Namespace):
+    from strata.sampling.params import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
+                          stop=tuple(args.stop))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import time
+
+    from strata.llm import LLM
+
+    config = engine_config(args)
+    params = sampling_params(args)
+    llm = LLM(config)
+    prompt_ids = llm.encode_prompt(args.prompt, raw=args.raw)
+    start = time.perf_counter()
+    for piece in llm.stream(prompt_ids, params):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if args.verbose:
+        done = llm.last
+        seconds = time.perf_counter() - start
+        print(f"[{done.prompt_tokens} prompt tokens, {len(done.token_ids)} generated in "
+              f"{seconds:.2f} s ({len(done.token_ids) / max(seconds, 1e-9):.1f} tok/s), "
+              f"finish: {done.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a reply to one prompt and stream it")
+    gen.add_argument("prompt", help="the user message (or plain text with --raw)")
+    gen.add_argument("--raw", action="store_true", help="plain completion, no chat template")
+    gen.add_argument("--verbose", action="store_true", help="print token counts and speed")
+    add_sampling_flags(gen, temperature=0.0)
+    add_engine_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except StrataError as e:
+        print(f"strata: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""EngineConfig: every engine setting, typed and checked in one frozen dataclass.
+
+The CLI is generated from these fields (cli.py reads `flag` and `help` from each
+field's metadata), so a flag and its setting cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from strata.errors import StrataError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _opt(help: str, flag: str | None = None, **kw) -> dict:
+    return {"help": help, "flag": flag, **kw}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = field(default=None, metadata=_opt(
+        "GGUF file or Hugging Face checkpoint folder (default: the embedded SmolLM2-135M-Instruct)"))
+    devices: tuple[str, ...] = field(default=("cpu",), metadata=_opt(
+        "comma-separated devices, one per stage or one for all (cpu, cuda:0,cuda:1)", list_of=str))
+    layer_split: tuple[int, ...] = field(default=(), metadata=_opt(
+        "layer numbers where a new stage starts, e.g. 10,20 for three stages", list_of=int))
+    dtype: str = field(default="auto", metadata=_opt(
+        "weight and activation dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16, fp16"))
+    kv: str = field(default="auto", metadata=_opt(
+        "KV cache dtype: auto (the model dtype), fp32, bf16, fp16"))
+    parallel: int = field(default=1, metadata=_opt("number of slots: requests decoded at once"))
+    max_context: int | None = field(default=None, metadata=_opt(
+        "tokens per slot, prompt plus output (default: the model's context, at most 4096)"))
+    max_window_tokens: int = field(default=512, metadata=_opt(
+        "tokens in one forward window: decode tokens first, prompt chunks fill the rest"))
+    block_size: int = field(default=16, metadata=_opt("tokens per KV cache block"))
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *DTYPES):
+            raise StrataError(f"--dtype {self.dtype} is not one of auto, {', '.join(DTYPES)}")
+        if self.kv not in ("auto", *DTYPES):
+            raise StrataError(f"--kv {self.kv} is not one of auto, {', '.join(DTYPES)}")
+        for name in ("parallel", "max_window_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise StrataError(f"--{name.replace('_', '-')} must be at least 1 "
+                                  f"(got {getattr(self, name)})")
+        if self.max_context is not None and self.max_context < 2:
+            raise StrataError(f"--max-context must be at least 2 (got {self.max_context})")
+        if not self.devices:
+            raise StrataError("--devices needs at least one device, e.g. cpu or cuda:0")
+        for device in self.devices:
+            try:
+                torch.device(device)
+            except RuntimeError:
+                raise StrataError(f"--devices: '{device}' is not a device name "
+                                  "(use cpu, cuda or cuda:N)") from None
+        if list(self.layer_split) != sorted(set(self.layer_split)) or any(
+                b < 1 for b in self.layer_split):
+            raise StrataError(f"--layer-split {','.join(map(str, self.layer_split))}: stage "
+                              "boundaries must be strictly increasing layer numbers above 0")
+
+    def stage_ranges(self, num_layers: int) -> list[tuple[int, int]]:
+        """[start, end) layer range of each stage, checked against the model."""
+        bounds = [0, *self.layer_split, num_layers]
+        if self.layer_split and self.layer_split[-1] >= num_layers:
+            raise StrataError(f"--layer-split {','.join(map(str, self.layer_split))}: every "
+                              f"boundary must be between 1 and {num_layers - 1} (the model has "
+                              f"{num_layers} layers)")
+        ranges = list(zip(bounds[:-1], bounds[1:]))
+        if len(self.devices) not in (1, len(ranges)):
+            raise StrataError(f"--devices lists {len(self.devices)} devices for {len(ranges)} "
+                              "stages; give one device, or one per stage")
+        return ranges
+
+    def stage_device(self, stage: int) -> torch.device:
+        return torch.device(self.devices[0] if len(self.devices) == 1 else self.devices[stage])
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        return torch.bfloat16 if self.stage_device(0).type == "cuda" else torch.float32
+
+    def kv_dtype(self) -> torch.dtype:
+        return self.torch_dtype() if self.kv == "auto" else DTYPES[self.kv]
+
+
+def config_fields():
+    return fields(EngineConfig)

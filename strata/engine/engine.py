@@ -1,0 +1,99 @@
+"""Engine: the loop that turns requests into tokens.
+
+`step()` asks the scheduler for a window, runs it through the stages, and commits the
+sampled tokens. Tokens in, tokens out: text, chat templates and stop strings belong to
+the caller (see generator.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.config import EngineConfig
+from strata.engine.request import Request
+from strata.engine.runner import ModelRunner
+from strata.errors import StrataError
+from strata.sampling.params import SamplingParams
+from strata.scheduler.scheduler import Scheduler
+from strata.weights.checkpoint import open_checkpoint
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, checkpoint=None):
+        self.config = config
+        self.checkpoint = checkpoint if checkpoint is not None else open_checkpoint(config.model)
+        self.model_config = self.checkpoint.config
+        self.max_context = config.max_context or min(self.model_config.max_position, 4096)
+        if self.max_context > self.model_config.max_position:
+            raise StrataError(f"--max-context {self.max_context} is larger than the model's "
+                              f"context of {self.model_config.max_position} tokens; lower it")
+        self.scheduler = Scheduler(config.parallel, self.max_context, config.max_window_tokens,
+                                   config.block_size)
+        self.runner = ModelRunner(config, self.checkpoint, self.scheduler.pool.num_blocks)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None,
+                    eos_token_ids: frozenset[int] | None = None) -> Request:
+        if not prompt_ids:
+            raise StrataError("the prompt is empty; give at least one token")
+        if len(prompt_ids) >= self.max_context:
+            raise StrataError(f"the prompt is {len(prompt_ids)} tokens but --max-context is "
+                              f"{self.max_context} (prompt plus at least one generated token); "
+                              "shorten the prompt or raise --max-context")
+        vocab = self.model_config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise StrataError(f"prompt token ids must be in 0..{vocab - 1}")
+        request = Request(list(prompt_ids), params,
+                          eos_token_ids if eos_token_ids is not None else self.eos_token_ids)
+        if request_id is not None:
+            request.request_id = request_id
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.scheduler.abort(request_id)
+        if request is not None:
+            self.runner.sampler.forget(request_id)
+        return request
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Run one window; return the requests that received a token."""
+        window = self.scheduler.schedule()
+        if window is None:
+            return []
+        sampled = self.runner.execute(window)
+        updated = self.scheduler.commit(window, sampled)
+        for request in updated:
+            if request.finished:
+                self.runner.sampler.forget(request.request_id)
+        return updated
+
+    @torch.inference_mode()
+    def score(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Logits [T, vocab] at every prompt position (prompt logprobs, tests). Runs the
+        prompt through its windows like any request; the engine must be idle."""
+        if self.has_work:
+            raise RuntimeError("score() needs an idle engine")
+        request = self.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=1))
+        rows = []
+        while self.has_work:
+            window = self.scheduler.schedule()
+            window.logits_all = True
+            logits = self.runner.forward(window)
+            rows.append(logits)
+            sampled = logits[window.logits_idx_of_samples()].argmax(-1)
+            self.scheduler.commit(window, sampled.tolist())
+        return torch.cat(rows)[:len(prompt_ids)]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Run prompts to completion together; their output token ids, in order."""
+        requests = [self.add_request(p, params) for p in prompts]
+        while self.has_work:
+            self.step()
+        return [r.output_ids for r in requests]

@@ -1,0 +1,71 @@
+"""Request: one generation job, its tokens and its status. Tokens in, tokens out:
+no text lives here."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from strata.sampling.params import SamplingParams
+
+_ids = itertools.count()
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    token_ids: list[int] = field(init=False)  # prompt then output
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None          # "stop", "length", "abort"
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append(self, token: int, max_context: int) -> None:
+        """Add one generated token and finish the request if it should stop."""
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.token_ids.append(token)
+        p = self.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            self.finish("stop")
+        elif (p.max_tokens is not None and self.num_output_tokens >= p.max_tokens) \
+                or self.num_tokens >= max_context:
+            self.finish("length")
+
+    def finish(self, reason: str) -> None:
+        if not self.finished:
+            self.status, self.finish_reason = RequestStatus.FINISHED, reason

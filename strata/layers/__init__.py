@@ -1,0 +1,2 @@
+"""Shared building blocks that every architecture file assembles: norms, rotary
+embeddings, paged attention, gated MLP, mixture of experts and the decoder layer."""

@@ -1,0 +1,23 @@
+"""The pre-norm decoder layer shared by llama-family architectures:
+x + attn(norm(x)), then h + mlp(norm(h)). The attention and MLP are supplied by the
+architecture file."""
+
+import torch
+from torch import nn
+
+from strata.layers.forward_meta import ForwardMeta
+from strata.layers.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hidden: int, eps: float, self_attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, meta: ForwardMeta,
+                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), meta, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))

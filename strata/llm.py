@@ -1,0 +1,95 @@
+"""LLM: the text front of the engine for one process: tokenizer, chat template, stop
+strings and incremental detokenisation around an Engine that only knows tokens.
+
+Used by `strata generate` and by tests; the server drives the engine the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from strata.config import EngineConfig
+from strata.engine.engine import Engine
+from strata.engine.request import Request
+from strata.sampling.params import SamplingParams
+from strata.tokenizer import Tokenizer
+from strata.tokenizer.detokenize import IncrementalDetokenizer
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+
+
+@dataclass
+class TextStream:
+    """One request's text side: its detokenizer and how many output ids it has seen."""
+    request: Request
+    detok: IncrementalDetokenizer
+    fed: int = field(default=0)
+
+    def advance(self, engine: Engine) -> str:
+        """Detokenize new output ids; end the request if a stop string appeared."""
+        ids = self.request.token_ids[self.request.num_prompt_tokens + self.fed:]
+        self.fed += len(ids)
+        piece = self.detok.feed(ids) if ids else ""
+        if self.detok.stopped and not self.request.finished:
+            engine.abort(self.request.request_id)
+            self.request.finish_reason = "stop"
+        return piece
+
+    def completion(self) -> Completion:
+        self.detok.flush()
+        return Completion(self.detok.text, self.request.output_ids, self.request.finish_reason,
+                          self.request.num_prompt_tokens)
+
+
+class LLM:
+    def __init__(self, config: EngineConfig):
+        self.engine = Engine(config)
+        self.tokenizer: Tokenizer = self.engine.checkpoint.load_tokenizer()
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | self.engine.eos_token_ids
+
+    def encode_prompt(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
+        """Token ids of a plain prompt (`raw`) or of chat messages through the template.
+        A string that is not raw becomes one user message."""
+        if raw:
+            return self.tokenizer.encode(prompt)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def add(self, prompt_ids: list[int], params: SamplingParams) -> TextStream:
+        request = self.engine.add_request(prompt_ids, params, eos_token_ids=self.eos_token_ids)
+        return TextStream(request, IncrementalDetokenizer(self.tokenizer, stop=list(params.stop)))
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
+        """Run one request to completion, yielding its text as it is produced; the
+        finished Completion is left in `self.last`."""
+        job = self.add(prompt_ids, params)
+        try:
+            while not job.request.finished:
+                self.engine.step()
+                piece = job.advance(self.engine)
+                if piece:
+                    yield piece
+            tail = job.detok.flush()
+            if tail:
+                yield tail
+        finally:
+            if not job.request.finished:
+                self.engine.abort(job.request.request_id)
+        self.last = job.completion()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Run many prompts together to completion."""
+        jobs = [self.add(p, params) for p in prompts]
+        while any(not job.request.finished for job in jobs):
+            self.engine.step()
+            for job in jobs:
+                job.advance(self.engine)
+        return [job.completion() for job in jobs]

@@ -1,0 +1,7 @@
+"""Model architectures: one file each, registered by name (see registry.py)."""
+
+from strata.models import llama, qwen3, qwen3_moe  # noqa: F401  (registration)
+from strata.models.config import ModelConfig
+from strata.models.registry import get_architecture, supported_architectures
+
+__all__ = ["ModelConfig", "get_architecture", "supported_architectures"]

@@ -1,0 +1,57 @@
+"""Window: one forward unit for one group, built by the scheduler.
+
+For each entry (a slot) a run of tokens with explicit positions and cache rows. The
+stages execute it; only the scheduler interprets it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from strata.engine.request import Request
+from strata.layers.forward_meta import ForwardMeta
+
+
+@dataclass
+class Window:
+    group: int
+    slots: list[int]              # slot index of each entry
+    requests: list[Request]       # request of each entry
+    query_lens: list[int]         # tokens of each entry
+    samples: list[bool]           # does the entry end at its request's last token
+    token_ids: torch.Tensor       # [T]
+    positions: torch.Tensor       # [T]
+    slot_mapping: torch.Tensor    # [T]
+    block_tables: torch.Tensor    # [B, max_blocks]
+    block_size: int
+    logits_all: bool = False      # logits for every token (scoring), not only sampling entries
+    _metas: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def sampled_requests(self) -> list[Request]:
+        return [r for r, s in zip(self.requests, self.samples) if s]
+
+    def logits_idx_of_samples(self) -> torch.Tensor:
+        """Rows of the window (one per sampling entry: its last token)."""
+        ends = torch.cumsum(torch.tensor(self.query_lens), 0) - 1
+        return ends[torch.tensor(self.samples, dtype=torch.bool)]
+
+    def logits_idx(self) -> torch.Tensor:
+        if self.logits_all:
+            return torch.arange(self.num_tokens)
+        return self.logits_idx_of_samples()
+
+    def meta(self, device: torch.device) -> ForwardMeta:
+        """ForwardMeta on `device`, built once per device and window."""
+        key = str(device)
+        if key not in self._metas:
+            self._metas[key] = ForwardMeta.build(
+                query_lens=self.query_lens, positions=self.positions,
+                slot_mapping=self.slot_mapping, block_tables=self.block_tables,
+                block_size=self.block_size, logits_idx=self.logits_idx(), device=device)
+        return self._metas[key]

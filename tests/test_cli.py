@@ -1,0 +1,84 @@
+"""`strata generate` end to end in a subprocess: it streams an answer, and every kind of
+bad input ends with one clear line on stderr and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import default_gguf
+
+PROMPT = "What is the capital of France? Answer in one short sentence."
+
+
+def run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "strata.cli", "generate", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_clean_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 or lines[-1].startswith("strata generate: error:"), result.stderr
+    for needle in needles:
+        assert needle in lines[-1], lines[-1]
+
+
+def test_generate_streams_the_answer():
+    result = run(PROMPT, "--max-tokens", "24", "--verbose")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "generated" in result.stderr
+
+
+def test_generate_raw_completion_is_deterministic():
+    first = run("def fibonacci(n):", "--raw", "--max-tokens", "16")
+    second = run("def fibonacci(n):", "--raw", "--max-tokens", "16", "--layer-split", "15")
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert first.stdout == second.stdout and first.stdout.strip()
+
+
+def test_missing_model_file():
+    assert_clean_error(run(PROMPT, "--model", "/no/such/model.gguf"), "/no/such/model.gguf",
+                       "--model")
+
+
+def test_truncated_gguf(tmp_path):
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(default_gguf().read_bytes()[:3_000_000])
+    assert_clean_error(run(PROMPT, "--model", str(truncated)), "cut.gguf", "truncated")
+
+
+def test_truncated_safetensors(tiny_models, tmp_path):
+    folder, _ = tiny_models["llama"]
+    for f in folder.iterdir():
+        data = f.read_bytes()
+        (tmp_path / f.name).write_bytes(data[:len(data) // 2] if f.suffix == ".safetensors" else data)
+    assert_clean_error(run(PROMPT, "--model", str(tmp_path)), "truncated")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    assert_clean_error(run(PROMPT, "--model", str(tmp_path)), "GPT2LMHeadModel",
+                       "llama, qwen3, qwen3_moe")
+
+
+def test_prompt_longer_than_context():
+    result = run(PROMPT, "--max-context", "12")
+    assert_clean_error(result, "--max-context is 12")
+    assert "the prompt is " in result.stderr
+
+
+@pytest.mark.parametrize("split", ["10,5", "0", "30", "x,y"])
+def test_invalid_layer_split(split):
+    assert_clean_error(run(PROMPT, "--layer-split", split), "--layer-split")
+
+
+def test_unknown_device():
+    assert_clean_error(run(PROMPT, "--devices", "tpu:0"), "tpu")
