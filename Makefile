@@ -1,11 +1,9 @@
-# The two commands of the README.
-.PHONY: generate test
+# The two commands of the README: `make serve` and `make test`.
+.PHONY: serve test
 
-PROMPT ?= What is the capital of France?
-
-generate:
+serve:
 	bash scripts/install.sh
-	.venv/bin/strata generate "$(PROMPT)"
+	.venv/bin/strata serve $(ARGS)
 
 test:
 	bash scripts/install.sh --test

@@ -5,9 +5,10 @@ and exit with status 2; nothing the user types produces a traceback."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-from strata.config import EngineConfig, config_fields
+from strata.config import EngineConfig
 from strata.errors import StrataError
 
 
@@ -21,21 +22,36 @@ def _list_of(kind):
     return parse
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    for f in config_fields():
+def add_config_flags(parser: argparse.ArgumentParser, cls, defaults: dict | None = None) -> None:
+    """One flag per field of the frozen config dataclass `cls` (help from its metadata)."""
+    defaults = defaults or {}
+    for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
+        default = defaults.get(f.name, f.default)
         kind = f.metadata.get("list_of")
         if kind is not None:
-            parser.add_argument(flag, type=_list_of(kind), default=f.default, help=f.metadata["help"])
+            parse = _list_of(kind)
+        elif f.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=f.metadata["help"])
+            continue
         else:
-            base = int if f.type in ("int", "int | None") else str
-            parser.add_argument(flag, type=base, default=f.default, help=f.metadata["help"])
+            parse = {"int": int, "int | None": int, "float": float}.get(f.type, str)
+        parser.add_argument(flag, type=parse, default=default, help=f.metadata["help"])
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+    add_config_flags(parser, EngineConfig, defaults)
     parser.add_argument("--device", dest="devices", type=_list_of(str), default=argparse.SUPPRESS,
                         help="alias of --devices")
 
 
+def config_from_args(cls, args: argparse.Namespace):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in config_fields()})
+    return config_from_args(EngineConfig, args)
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser, *, temperature: float) -> None:
@@ -79,6 +95,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from strata.server.config import ServerConfig
+    from strata.server.serve import serve
+
+    return serve(engine_config(args), config_from_args(ServerConfig, args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(gen, temperature=0.0)
     add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    from strata.server.config import ServerConfig
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
+    add_config_flags(srv, ServerConfig)
+    add_engine_flags(srv, defaults={"parallel": 4})
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

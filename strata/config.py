@@ -6,7 +6,7 @@ field's metadata), so a flag and its setting cannot drift apart.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
@@ -85,7 +85,3 @@ class EngineConfig:
 
     def kv_dtype(self) -> torch.dtype:
         return self.torch_dtype() if self.kv == "auto" else DTYPES[self.kv]
-
-
-def config_fields():
-    return fields(EngineConfig)

@@ -27,30 +27,32 @@ class Completion:
 
 @dataclass
 class TextStream:
-    """One request's text side: its detokenizer and how many output ids it has seen."""
+    """One request's text side: its detokenizer and how many output ids it has seen.
+    Whoever drives the engine ends the request when `stopped` (a stop string appeared)."""
     request: Request
     detok: IncrementalDetokenizer
     fed: int = field(default=0)
 
-    def advance(self, engine: Engine) -> str:
-        """Detokenize new output ids; end the request if a stop string appeared."""
+    def advance(self) -> str:
+        """Detokenize the request's new output ids; the text they complete."""
         ids = self.request.token_ids[self.request.num_prompt_tokens + self.fed:]
         self.fed += len(ids)
-        piece = self.detok.feed(ids) if ids else ""
-        if self.detok.stopped and not self.request.finished:
-            engine.abort(self.request.request_id)
-            self.request.finish_reason = "stop"
-        return piece
+        return self.detok.feed(ids) if ids else ""
+
+    @property
+    def stopped(self) -> bool:
+        return self.detok.stopped
 
     def completion(self) -> Completion:
         self.detok.flush()
-        return Completion(self.detok.text, self.request.output_ids, self.request.finish_reason,
+        reason = "stop" if self.stopped else self.request.finish_reason
+        return Completion(self.detok.text, self.request.output_ids, reason,
                           self.request.num_prompt_tokens)
 
 
 class LLM:
-    def __init__(self, config: EngineConfig):
-        self.engine = Engine(config)
+    def __init__(self, config: EngineConfig, checkpoint=None):
+        self.engine = Engine(config, checkpoint)
         self.tokenizer: Tokenizer = self.engine.checkpoint.load_tokenizer()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | self.engine.eos_token_ids
 
@@ -74,7 +76,9 @@ class LLM:
         try:
             while not job.request.finished:
                 self.engine.step()
-                piece = job.advance(self.engine)
+                piece = job.advance()
+                if job.stopped:
+                    self.engine.abort(job.request.request_id)
                 if piece:
                     yield piece
             tail = job.detok.flush()
@@ -91,5 +95,7 @@ class LLM:
         while any(not job.request.finished for job in jobs):
             self.engine.step()
             for job in jobs:
-                job.advance(self.engine)
+                job.advance()
+                if job.stopped and not job.request.finished:
+                    self.engine.abort(job.request.request_id)
         return [job.completion() for job in jobs]

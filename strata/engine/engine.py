@@ -32,9 +32,8 @@ class Engine:
         self.runner = ModelRunner(config, self.checkpoint, self.scheduler.pool.num_blocks)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None,
-                    eos_token_ids: frozenset[int] | None = None) -> Request:
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        """Raise StrataError if the prompt cannot run in one slot."""
         if not prompt_ids:
             raise StrataError("the prompt is empty; give at least one token")
         if len(prompt_ids) >= self.max_context:
@@ -44,10 +43,19 @@ class Engine:
         vocab = self.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise StrataError(f"prompt token ids must be in 0..{vocab - 1}")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None,
+                    eos_token_ids: frozenset[int] | None = None) -> Request:
         request = Request(list(prompt_ids), params,
                           eos_token_ids if eos_token_ids is not None else self.eos_token_ids)
         if request_id is not None:
             request.request_id = request_id
+        return self.add(request)
+
+    def add(self, request: Request) -> Request:
+        """Queue a request for a slot; raises StrataError if its prompt cannot run."""
+        self.check_prompt(request.prompt_ids)
         self.scheduler.add(request)
         return request
 

@@ -1,0 +1,27 @@
+"""Prometheus metrics of one server (a registry of its own, so tests can run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("strata_requests", "Finished requests by finish reason",
+                                ["finish_reason"], registry=r)
+        self.rejected = Counter("strata_requests_rejected", "Requests refused before running",
+                                ["status"], registry=r)
+        self.prompt_tokens = Counter("strata_prompt_tokens", "Prompt tokens of admitted requests",
+                                     registry=r)
+        self.generation_tokens = Counter("strata_generation_tokens", "Generated tokens",
+                                         registry=r)
+        self.queue_length = Gauge("strata_queue_length", "Requests waiting for a slot", registry=r)
+        self.slots_used = Gauge("strata_slots_used", "Slots holding a running request", registry=r)
+        self.slots_total = Gauge("strata_slots_total", "Slots (--parallel)", registry=r)
+        self.window_seconds = Histogram(
+            "strata_window_seconds", "Time of one window through all stages", registry=r,
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,52 @@
+"""`strata serve`: check the model and the address, then run uvicorn with the engine
+loading on its own thread (so /health answers 503 until it is ready)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+
+from strata.config import EngineConfig
+from strata.errors import StrataError
+from strata.server.async_engine import AsyncEngine
+from strata.server.config import ServerConfig
+from strata.server.metrics import Metrics
+from strata.weights.checkpoint import open_checkpoint
+
+
+def model_name(checkpoint) -> str:
+    name = checkpoint.path.name
+    return name[:-5] if name.endswith(".gguf") else name
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise StrataError(f"cannot listen on {host}:{port} ({e.strerror}); pass another "
+                              "--port or --host") from None
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    import uvicorn
+
+    from strata.server.app import build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
+                        stream=sys.stderr)
+    checkpoint = open_checkpoint(engine_config.model)  # bad files fail here, before listening
+    check_port_free(server_config.host, server_config.port)
+    name = server_config.served_model_name or model_name(checkpoint)
+    metrics = Metrics()
+    engine = AsyncEngine(engine_config, checkpoint, metrics, server_config.max_queue)
+    app = build_app(engine, server_config, name, metrics)
+    logging.getLogger("strata.server").info(
+        "serving '%s' on http://%s:%d (loading the model)", name, server_config.host,
+        server_config.port)
+    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level="warning")
+    if engine.status == "failed":
+        raise StrataError(engine.error or "the engine failed")
+    return 0

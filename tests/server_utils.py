@@ -1,0 +1,57 @@
+"""Start a real `strata serve` process on a free loopback port for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(*flags: str, log: Path, timeout: float = 180):
+    """Yields (base_url, statuses seen on /health before it was ready)."""
+    port = free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--port", str(port),
+                                 *flags], stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    seen = []
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None, f"server exited early:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"server not healthy in time:\n{log.read_text()}"
+            try:
+                status = httpx.get(f"{base}/health", timeout=2).status_code
+                seen.append(status)
+                if status == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        yield base, seen
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def metric(base: str, name: str) -> float:
+    """Sum of a Prometheus metric's samples whose line starts with `name`."""
+    text = httpx.get(f"{base}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name))
