@@ -47,9 +47,10 @@ class Attention(nn.Module):
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: ForwardMeta) -> torch.Tensor:
+                    meta: ForwardMeta, scale: float | None = None) -> torch.Tensor:
     """q: [T, H, D]; caches: [rows, Hkv, D] -> [T, H, D], each token attending to the
-    keys of its own entry at positions <= its own."""
+    keys of its own entry at positions <= its own. `scale` multiplies q·k (default
+    1/sqrt(D))."""
     heads, dim = q.shape[1], q.shape[2]
     q_pad = q.new_zeros(meta.num_entries, meta.max_query, heads, dim)
     q_pad[meta.q_batch, meta.q_offset] = q
@@ -57,5 +58,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     values = v_cache[meta.kv_gather].to(q.dtype)
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=meta.attn_mask, enable_gqa=True)           # [B, H, Lq, D]
+        attn_mask=meta.attn_mask, scale=scale, enable_gqa=True)  # [B, H, Lq, D]
     return out.transpose(1, 2)[meta.q_batch, meta.q_offset]

@@ -1,8 +1,10 @@
 """Mixture-of-experts feed-forward: top-k routing and a grouped expert computation.
 
-Token-expert pairs are sorted by expert so that each expert multiplies one contiguous
-slice of rows (a grouped matrix product); the loop, where there is one, runs over
-experts, never over tokens.
+Two routers: softmax top-k (SparseMoE, qwen3_moe) and DeepSeek-V3's sigmoid scores with
+a selection bias and group-limited top-k (GroupedTopKRouter, used with always-on shared
+experts by SharedExpertMoE). Token-expert pairs are sorted by expert so that each expert
+multiplies one contiguous slice of rows (a grouped matrix product); the loop, where there
+is one, runs over experts, never over tokens.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from strata.layers.mlp import GatedMLP
 
 
 class SparseMoE(nn.Module):
@@ -26,6 +30,69 @@ class SparseMoE(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return self.experts(x, experts, weights.to(x.dtype))
+
+
+class GroupedTopKRouter(nn.Module):
+    """DeepSeek-V3 / GLM-4.5 routing, in float32 like the reference. Sigmoid scores plus
+    `e_score_correction_bias` choose the experts, but the weights are the plain scores.
+    The choice is limited to the `topk_groups` best of `num_groups` equal groups of
+    experts, a group scoring the sum of its two best biased scores."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, *, num_groups: int = 1,
+                 topk_groups: int = 1, norm_topk_prob: bool = True, scaling: float = 1.0):
+        super().__init__()
+        self.top_k, self.num_groups, self.topk_groups = top_k, num_groups, topk_groups
+        self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        # A parameter (not a buffer) so that the stage loads it with the weights.
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts),
+                                                    requires_grad=False)
+
+    def _apply(self, fn, recurse=True):
+        # NOTE: the router stays float32 when the stage casts the model to bf16 (device moves
+        # still apply), as transformers keeps it: a bf16 router flips expert choices. The
+        # stage casts before it loads, so no precision is lost.
+        super()._apply(fn, recurse)
+        for param in (self.weight, self.e_score_correction_bias):
+            if param.dtype != torch.float32:
+                param.data = param.data.float()
+        return self
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> expert ids [T, k], float32 weights [T, k]."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()         # [T, E]
+        choice = scores + self.e_score_correction_bias.float()
+        if self.num_groups > 1:
+            grouped = choice.view(x.shape[0], self.num_groups, -1)           # [T, G, E/G]
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)        # [T, G]
+            best = torch.topk(group_scores, self.topk_groups, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(scores)
+        experts = torch.topk(choice, self.top_k, dim=-1).indices            # [T, k]
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return experts, weights * self.scaling
+
+
+class SharedExpertMoE(nn.Module):
+    """Routed experts chosen by `gate`, plus shared experts that every token passes
+    through (one gated MLP of `shared_intermediate` rows; none when 0)."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, gate: nn.Module,
+                 shared_intermediate: int):
+        super().__init__()
+        self.gate = gate
+        self.experts = GroupedExperts(hidden, intermediate, num_experts)
+        if shared_intermediate:
+            self.shared_experts = GatedMLP(hidden, shared_intermediate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        experts, weights = self.gate(x)
+        out = self.experts(x, experts, weights.to(x.dtype))
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(x)
+        return out
 
 
 class GroupedExperts(nn.Module):

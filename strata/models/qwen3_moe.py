@@ -1,8 +1,5 @@
 """Qwen3-MoE: Qwen3 attention with a top-k routed mixture of experts (no shared expert).
-
-Checkpoints store experts one by one (`mlp.experts.{e}.gate_proj.weight`) or fused
-(`mlp.experts.gate_up_proj`); Strata keeps them stacked per projection
-(`mlp.experts.gate_proj` [E, I, hidden]), which is also GGUF's layout.
+Expert tensors are mapped by moe_weights.py.
 """
 
 from __future__ import annotations
@@ -14,11 +11,9 @@ from strata.layers.decoder import DecoderLayer
 from strata.layers.mlp import GatedMLP
 from strata.layers.moe import SparseMoE
 from strata.layers.rotary import RotaryEmbedding
+from strata.models.moe_weights import is_stacked_expert, stacked_experts
 from strata.models.qwen3 import qwen3_attention
 from strata.models.registry import Architecture, register
-
-_STACKED = (".mlp.experts.gate_proj", ".mlp.experts.up_proj", ".mlp.experts.down_proj")
-
 
 @register
 class Qwen3Moe(Architecture):
@@ -35,13 +30,6 @@ class Qwen3Moe(Architecture):
         return DecoderLayer(c.hidden_size, c.rms_norm_eps, qwen3_attention(c, rotary), mlp)
 
     def load_tensor(self, name, checkpoint) -> torch.Tensor:
-        if not name.endswith(_STACKED) or checkpoint.has(name):
-            return super().load_tensor(name, checkpoint)
-        prefix, proj = name.rsplit(".", 1)  # "model.layers.N.mlp.experts", "gate_proj"
-        if checkpoint.has(f"{prefix}.gate_up_proj"):  # fused [E, 2I, hidden]
-            if proj == "down_proj":
-                return checkpoint.get(f"{prefix}.down_proj")
-            gate, up = checkpoint.get(f"{prefix}.gate_up_proj").chunk(2, dim=1)
-            return gate if proj == "gate_proj" else up
-        return torch.stack([checkpoint.get(f"{prefix}.{e}.{proj}.weight")
-                            for e in range(self.config.num_experts)])
+        if is_stacked_expert(name, checkpoint):
+            return stacked_experts(name, checkpoint, self.config.num_experts)
+        return super().load_tensor(name, checkpoint)
