@@ -91,7 +91,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seconds = time.perf_counter() - start
         print(f"[{done.prompt_tokens} prompt tokens, {len(done.token_ids)} generated in "
               f"{seconds:.2f} s ({len(done.token_ids) / max(seconds, 1e-9):.1f} tok/s), "
-              f"finish: {done.finish_reason}]", file=sys.stderr)
+              f"finish: {done.finish_reason}; {done.drafts.summary()}]", file=sys.stderr)
     return 0
 
 

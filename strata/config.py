@@ -37,6 +37,21 @@ class EngineConfig:
     max_window_tokens: int = field(default=512, metadata=_opt(
         "tokens in one forward window: decode tokens first, prompt chunks fill the rest"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV cache block"))
+    spec: int = field(default=8, metadata=_opt(
+        "most draft tokens per slot per window (0 turns drafting off); suffix drafts of long "
+        "confident matches may reach --spec-suffix-max"))
+    spec_type: tuple[str, ...] = field(default=(), metadata=_opt(
+        "proposers to use, e.g. suffix,lookup (default: every one the model supports)",
+        list_of=str))
+    spec_suffix_max: int = field(default=32, metadata=_opt(
+        "most draft tokens of a confident suffix-tree match"))
+    lookup_min: int = field(default=2, metadata=_opt("shortest n-gram the lookup proposer matches"))
+    lookup_max: int = field(default=4, metadata=_opt("longest n-gram the lookup proposer matches"))
+    spec_min_p: float = field(default=0.3, metadata=_opt(
+        "an MTP draft chain stops when a draft token's probability falls below this"))
+    spec_token_cost: float = field(default=0.05, metadata=_opt(
+        "cost of one more token in a window, as a fraction of a one-token window; a draft "
+        "token is sent only while its expected acceptance exceeds it"))
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -47,6 +62,13 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise StrataError(f"--{name.replace('_', '-')} must be at least 1 "
                                   f"(got {getattr(self, name)})")
+        if self.spec < 0 or self.spec_suffix_max < 0:
+            raise StrataError("--spec and --spec-suffix-max must be >= 0")
+        if not 1 <= self.lookup_min <= self.lookup_max:
+            raise StrataError(f"--lookup-min {self.lookup_min} and --lookup-max {self.lookup_max}"
+                              ": need 1 <= min <= max")
+        if not 0 <= self.spec_min_p <= 1 or not 0 <= self.spec_token_cost < 1:
+            raise StrataError("--spec-min-p must be in [0, 1] and --spec-token-cost in [0, 1)")
         if self.max_context is not None and self.max_context < 2:
             raise StrataError(f"--max-context must be at least 2 (got {self.max_context})")
         if not self.devices:

@@ -13,6 +13,7 @@ from strata.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.request import Request
 from strata.sampling.params import SamplingParams
+from strata.spec.stats import DraftStats
 from strata.tokenizer import Tokenizer
 from strata.tokenizer.detokenize import IncrementalDetokenizer
 
@@ -23,6 +24,7 @@ class Completion:
     token_ids: list[int]
     finish_reason: str
     prompt_tokens: int
+    drafts: DraftStats
 
 
 @dataclass
@@ -47,7 +49,7 @@ class TextStream:
         self.detok.flush()
         reason = "stop" if self.stopped else self.request.finish_reason
         return Completion(self.detok.text, self.request.output_ids, reason,
-                          self.request.num_prompt_tokens)
+                          self.request.num_prompt_tokens, self.request.draft_stats)
 
 
 class LLM:

@@ -46,7 +46,7 @@ def test_decode_first_then_prompt_chunks_within_budget():
     w3 = sched.schedule()  # two prompt chunks, in slot order
     assert w3.requests == [long, short] and w3.query_lens == [4, 2]
     assert w3.samples == [True, True]
-    sched.commit(w3, [9, 7])
+    sched.commit(w3, [[9], [7]])
     assert short.output_ids == [7] and long.output_ids == [9]
     sched.add(make(30))
     w4 = sched.schedule()  # both decoding: one token each at their next positions; no slot left
@@ -62,7 +62,7 @@ def test_requests_wait_for_a_free_slot_and_finish_frees_it():
     sched.add(second)
     window = sched.schedule()
     assert window.requests == [first]
-    sched.commit(window, [5])
+    sched.commit(window, [[5]])
     assert first.finished and first.finish_reason == "length"
     assert sched.pool.num_free == sched.pool.num_blocks
     window = sched.schedule()
@@ -76,7 +76,7 @@ def test_abort_while_in_flight_drops_the_result():
     sched.add(b)
     window = sched.schedule()
     assert sched.abort(a.request_id) is a and a.finish_reason == "abort"
-    sched.commit(window, [4, 6])
+    sched.commit(window, [[4], [6]])
     assert a.output_ids == [] and b.output_ids == [6]
 
 
@@ -85,7 +85,7 @@ def test_context_limit_finishes_with_length():
     request = Request([1, 2, 3, 4], SamplingParams(temperature=0))
     sched.add(request)
     for token in (8, 9):
-        sched.commit(sched.schedule(), [token])
+        sched.commit(sched.schedule(), [[token]])
     assert request.finished and request.finish_reason == "length"
     assert request.num_tokens == 6
 
@@ -106,10 +106,83 @@ def test_decoding_slot_goes_before_an_earlier_slots_prompt():
     a, b = make(2, max_tokens=1), make(2, max_tokens=5)
     sched.add(a)
     sched.add(b)
-    sched.commit(sched.schedule(), [3, 4])
+    sched.commit(sched.schedule(), [[3], [4]])
     assert a.finished and not b.finished
     c = make(20)
     sched.add(c)  # takes slot 0, freed by a
     window = sched.schedule()
     assert window.slots == [1, 0] and window.requests == [b, c]
     assert window.query_lens == [1, 3] and window.samples == [True, False]
+
+
+class FixedProposer:
+    """Proposes the same continuation every window; records its lifecycle calls."""
+    name = "fixed"
+
+    def __init__(self, tokens):
+        self.tokens, self.calls = tokens, []
+
+    def start(self, rid, prompt):
+        self.calls.append(("start", rid, list(prompt)))
+
+    def extend(self, rid, tokens):
+        self.calls.append(("extend", rid, list(tokens)))
+
+    def propose(self, rid, max_tokens):
+        from strata.spec.draft import Draft
+        return Draft(self.tokens[:max_tokens], [0.9] * len(self.tokens[:max_tokens]), self.name)
+
+    def finish(self, rid):
+        self.calls.append(("finish", rid))
+
+
+def drafting_scheduler(tokens, **kw):
+    from strata.spec.policy import DraftPolicy
+    proposer = FixedProposer(tokens)
+    policy = DraftPolicy([proposer], max_tokens=4, suffix_max=8, token_cost=0.05)
+    return Scheduler(num_slots=2, max_context=64, max_window_tokens=32, block_size=4,
+                     drafts=policy, **kw), proposer
+
+
+def test_drafts_are_tokens_and_rejection_rolls_back_by_position():
+    sched, proposer = drafting_scheduler([50, 51, 52, 53, 54])
+    request = make(5, max_tokens=20)
+    sched.add(request)
+    w1 = sched.schedule()  # prompt: no drafts yet
+    assert w1.drafts == [None] and w1.query_lens == [5]
+    sched.commit(w1, [[40]])
+    w2 = sched.schedule()  # last token 40 at position 5, then 4 drafts (capped by --spec 4)
+    assert w2.token_ids.tolist() == [40, 50, 51, 52, 53]
+    assert w2.positions.tolist() == [5, 6, 7, 8, 9]
+    assert w2.logits_idx_of_samples().tolist() == [0, 1, 2, 3, 4]
+    sched.commit(w2, [[50, 51, 60]])  # two drafts accepted, then a correction
+    assert request.output_ids == [40, 50, 51, 60]
+    assert sched.slots[0].num_computed == 8  # positions 5,6,7 hold 40,50,51; 8,9 are stale
+    w3 = sched.schedule()
+    assert w3.positions.tolist()[0] == 8 and w3.token_ids.tolist()[0] == 60
+    assert torch.equal(w3.slot_mapping[:2], w2.slot_mapping[3:5])  # overwrites stale rows
+    assert request.draft_stats.accepted == 2 and request.draft_stats.drafted == 4
+    assert ("extend", request.request_id, [50, 51, 60]) in proposer.calls
+
+
+def test_drafts_respect_max_tokens_and_finish_frees_proposer_state():
+    sched, proposer = drafting_scheduler([50, 51, 52, 53])
+    request = make(3, max_tokens=3)
+    sched.add(request)
+    sched.commit(sched.schedule(), [[40]])
+    w2 = sched.schedule()
+    assert len(w2.drafts[0].tokens) == 1  # two more tokens allowed: one draft plus one
+    sched.commit(w2, [[50, 51]])
+    assert request.finished and request.output_ids == [40, 50, 51]
+    assert proposer.calls[-1] == ("finish", request.request_id)
+    assert sched.pool.num_free == sched.pool.num_blocks
+
+
+def test_eos_inside_accepted_drafts_stops_there():
+    sched, _ = drafting_scheduler([50, 2, 52])
+    request = Request([1, 2, 3], SamplingParams(temperature=0, max_tokens=10),
+                      eos_token_ids=frozenset({2}))
+    sched.add(request)
+    sched.commit(sched.schedule(), [[40]])
+    sched.commit(sched.schedule(), [[50, 2, 52, 53]])
+    assert request.output_ids == [40, 50, 2] and request.finish_reason == "stop"

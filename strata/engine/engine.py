@@ -15,6 +15,8 @@ from strata.engine.runner import ModelRunner
 from strata.errors import StrataError
 from strata.sampling.params import SamplingParams
 from strata.scheduler.scheduler import Scheduler
+from strata.spec.registry import build_policy
+from strata.spec.stats import DraftStats
 from strata.weights.checkpoint import open_checkpoint
 
 
@@ -28,7 +30,9 @@ class Engine:
             raise StrataError(f"--max-context {self.max_context} is larger than the model's "
                               f"context of {self.model_config.max_position} tokens; lower it")
         self.scheduler = Scheduler(config.parallel, self.max_context, config.max_window_tokens,
-                                   config.block_size)
+                                   config.block_size, build_policy(config, self.model_config))
+        self.draft_stats = (self.scheduler.drafts.stats if self.scheduler.drafts is not None
+                            else DraftStats())  # every request's drafts together
         self.runner = ModelRunner(config, self.checkpoint, self.scheduler.pool.num_blocks)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
 
@@ -75,8 +79,8 @@ class Engine:
         window = self.scheduler.schedule()
         if window is None:
             return []
-        sampled = self.runner.execute(window)
-        updated = self.scheduler.commit(window, sampled)
+        results = self.runner.execute(window)
+        updated = self.scheduler.commit(window, results)
         for request in updated:
             if request.finished:
                 self.runner.sampler.forget(request.request_id)
@@ -96,7 +100,7 @@ class Engine:
             logits = self.runner.forward(window)
             rows.append(logits)
             sampled = logits[window.logits_idx_of_samples()].argmax(-1)
-            self.scheduler.commit(window, sampled.tolist())
+            self.scheduler.commit(window, [[t] for t in sampled.tolist()])
         return torch.cat(rows)[:len(prompt_ids)]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

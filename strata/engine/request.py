@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from strata.sampling.params import SamplingParams
+from strata.spec.stats import DraftStats
 
 _ids = itertools.count()
 
@@ -30,6 +31,7 @@ class Request:
     finish_reason: str | None = None          # "stop", "length", "abort"
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    draft_stats: DraftStats = field(default_factory=DraftStats)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -65,6 +67,14 @@ class Request:
         elif (p.max_tokens is not None and self.num_output_tokens >= p.max_tokens) \
                 or self.num_tokens >= max_context:
             self.finish("length")
+
+    def extend(self, tokens: list[int], max_context: int) -> list[int]:
+        """Append tokens until the request finishes; returns those appended."""
+        for i, token in enumerate(tokens):
+            self.append(token, max_context)
+            if self.finished:
+                return tokens[:i + 1]
+        return tokens
 
     def finish(self, reason: str) -> None:
         if not self.finished:

@@ -18,6 +18,7 @@ from strata.errors import StrataError
 from strata.models.registry import get_architecture
 from strata.sampling.sampler import Sampler
 from strata.scheduler.window import Window
+from strata.spec.verifier import Verifier, VerifyEntry
 
 
 def check_device(device: torch.device) -> None:
@@ -49,6 +50,7 @@ class ModelRunner:
             for stage in self.stages:
                 stage.load(checkpoint, progress)
         self.sampler = Sampler()
+        self.verifier = Verifier(self.sampler)
 
     def forward(self, window: Window) -> torch.Tensor:
         """Logits [S, vocab] for the window's sampling entries."""
@@ -57,12 +59,12 @@ class ModelRunner:
             x = stage.forward(x, window.meta(stage.device))
         return x
 
-    def execute(self, window: Window) -> list[int]:
-        """Run the window and sample one token per sampling entry."""
+    def execute(self, window: Window) -> list[list[int]]:
+        """Run the window and verify it: per sampling entry, its accepted drafts plus one
+        token (one sampled token where it carries no drafts)."""
         logits = self.forward(window)
-        requests = window.sampled_requests
-        if not requests:
+        entries = [VerifyEntry(r.params, r.request_id, d.tokens if d is not None else [])
+                   for r, d, s in zip(window.requests, window.drafts, window.samples) if s]
+        if not entries:
             return []
-        tokens = self.sampler.sample(logits, [r.params for r in requests],
-                                     [r.request_id for r in requests])
-        return tokens.tolist()  # NOTE: the window's one host sync
+        return self.verifier.verify(logits, entries)  # NOTE: the window's one host sync

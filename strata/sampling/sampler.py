@@ -3,6 +3,10 @@
 Greedy rows take the argmax. Other rows apply temperature, top-k, top-p and min-p, then
 draw with the exponential-race trick (argmax of p / Exp(1) noise), which lets a seeded
 request draw its noise from its own generator. The only host read is the caller's.
+
+`processed_probs` is that same processing as a distribution; the Verifier's rejection
+sampling uses it, so sampling with and without drafts draws from one distribution. The
+Sampler owns the per-request generators, which the Verifier shares.
 """
 
 from __future__ import annotations
@@ -27,32 +31,63 @@ class Sampler:
         if all(p.greedy for p in params):
             return greedy
         device = logits.device
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
-        logits = logits / temps[:, None]
-        if any(p.top_k > 0 for p in params):
-            logits = _top_k(logits, torch.tensor([p.top_k or logits.shape[1] for p in params],
-                                                 device=device))
-        if any(p.top_p < 1 for p in params):
-            logits = _top_p(logits, torch.tensor([p.top_p for p in params], device=device))
-        probs = torch.softmax(logits, dim=-1)
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device)
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0)
+        probs = _truncated_probs(logits, params)  # [S, V], not renormalised
         noise = torch.empty_like(probs).exponential_()
         for row, (p, rid) in enumerate(zip(params, request_ids)):
             if p.seed is not None and not p.greedy:
-                noise[row].exponential_(generator=self._generator(rid, p.seed, device))
+                noise[row].exponential_(generator=self.generator(rid, p.seed, device))
         sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+        is_greedy = _to_device([p.greedy for p in params], torch.bool, device)
         return torch.where(is_greedy, greedy, sampled)
 
-    def _generator(self, request_id: str, seed: int, device: torch.device) -> torch.Generator:
+    def generator(self, request_id: str, seed: int, device: torch.device) -> torch.Generator:
+        """The request's own generator, seeded once on first use and kept until `forget`."""
         gen = self._generators.get(request_id)
         if gen is None:
             gen = torch.Generator(device=device)
             gen.manual_seed(seed)
             self._generators[request_id] = gen
         return gen
+
+
+def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits: [R, V] -> [R, V] float32 probabilities, row r processed with params[r].
+
+    Temperature, top-k, top-p and min-p as `Sampler.sample` applies them, renormalised.
+    A greedy row (temperature 0) is the one-hot of its argmax.
+    """
+    logits = logits.float()
+    probs = _truncated_probs(logits, params)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    is_greedy = [p.greedy for p in params]
+    if any(is_greedy):
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        is_greedy = _to_device(is_greedy, torch.bool, probs.device)
+        probs = torch.where(is_greedy[:, None], one_hot, probs)
+    return probs
+
+
+def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """float logits [R, V] -> softmax after temperature, top-k and top-p, with min-p zeroing
+    (rows not renormalised after min-p). Greedy rows are processed at temperature 1."""
+    vocab = logits.shape[1]
+    rows = _to_device([[p.temperature if not p.greedy else 1.0, p.top_k or vocab, p.top_p,
+                        p.min_p] for p in params], torch.float32, logits.device)  # [R, 4]
+    logits = logits / rows[:, 0:1]
+    if any(p.top_k > 0 for p in params):
+        logits = _top_k(logits, rows[:, 1].long())
+    if any(p.top_p < 1 for p in params):
+        logits = _top_p(logits, rows[:, 2])
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = rows[:, 3]
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0)
+    return probs
+
+
+def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`, copied without waiting for the stream."""
+    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
 
 
 def _top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

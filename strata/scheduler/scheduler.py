@@ -1,9 +1,11 @@
 """Scheduler: admits requests into slots, builds windows, commits results.
 
 There are no prefill and decode phases: each slot's `num_computed` chases its request's
-`num_tokens`. A window takes one token from every slot that is decoding, then fills
-the rest of its token budget with prompt chunks. Committing advances the counts and
-appends sampled tokens; a finished request frees its slot and blocks at once.
+`num_tokens`. A window takes every decoding slot's last token, followed by that slot's
+drafts, then fills the rest of its token budget with prompt chunks. Drafts are ordinary
+tokens: committing moves `num_computed` past the accepted ones only, so the next window
+starts at the first rejected position and overwrites it. A finished request frees its
+slot and blocks at once.
 """
 
 from __future__ import annotations
@@ -16,17 +18,18 @@ from strata.engine.request import Request, RequestStatus
 from strata.kvcache.block_pool import BlockPool
 from strata.scheduler.slot import Slot
 from strata.scheduler.window import Window
+from strata.spec.policy import DraftPolicy
 
 
 class Scheduler:
     def __init__(self, num_slots: int, max_context: int, max_window_tokens: int,
-                 block_size: int):
+                 block_size: int, drafts: DraftPolicy | None = None):
         blocks_per_slot = -(-max_context // block_size)
         # NOTE: every slot can always grow to max_context, so no request is ever preempted.
         self.pool = BlockPool(num_slots * blocks_per_slot, block_size)
         self.slots = [Slot(i, self.pool) for i in range(num_slots)]
         self.max_context, self.max_window_tokens = max_context, max_window_tokens
-        self.blocks_per_slot = blocks_per_slot
+        self.drafts = drafts if drafts is not None and drafts.enabled else None
         self.waiting: deque[Request] = deque()
 
     # -- requests -------------------------------------------------------------------------
@@ -43,7 +46,7 @@ class Scheduler:
             if slot.request is not None and slot.request.request_id == request_id:
                 request = slot.request
                 request.finish("abort")
-                slot.release()
+                self._release(slot)
                 return request
         return None
 
@@ -66,11 +69,24 @@ class Scheduler:
             if budget == 0:
                 break
             count = min(slot.num_pending, budget)
+            slot.draft = None
+            if slot.num_pending == 1 and self.drafts is not None:
+                slot.draft = self.drafts.draft(slot.request, self._room(slot, budget - 1))
+                count += len(slot.draft.tokens) if slot.draft else 0
             entries.append((slot, count))
             budget -= count
         if not entries:
             return None
         return self._build(entries)
+
+    def _room(self, slot: Slot, budget: int) -> int:
+        """Most drafts a decoding slot may carry: within the window budget, the context,
+        and the tokens the request may still produce (the last one needs no draft)."""
+        request = slot.request
+        room = min(budget, self.max_context - request.num_tokens)
+        if request.params.max_tokens is not None:
+            room = min(room, request.params.max_tokens - request.num_output_tokens - 1)
+        return max(room, 0)
 
     def _admit(self) -> None:
         for slot in self.slots:
@@ -80,13 +96,17 @@ class Scheduler:
                 request = self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 slot.assign(request)
+                if self.drafts is not None:
+                    self.drafts.admitted(request)
 
     def _build(self, entries: list[tuple[Slot, int]]) -> Window:
         tokens, positions, rows, tables = [], [], [], []
         for slot, count in entries:
             start = slot.num_computed
             slot.block_table.ensure(start + count)
-            tokens.extend(slot.request.token_ids[start:start + count])
+            tokens.extend(slot.request.token_ids[start:start + count - slot.num_drafted])
+            if slot.draft is not None:
+                tokens.extend(slot.draft.tokens)
             positions.append(torch.arange(start, start + count))
             rows.append(slot.block_table.rows(start, start + count))
             tables.append(slot.block_table.blocks)
@@ -99,8 +119,9 @@ class Scheduler:
             slots=[slot.index for slot, _ in entries],
             requests=[slot.request for slot, _ in entries],
             query_lens=[count for _, count in entries],
-            samples=[slot.num_computed + count == slot.request.num_tokens
+            samples=[slot.num_computed + count - slot.num_drafted == slot.request.num_tokens
                      for slot, count in entries],
+            drafts=[slot.draft for slot, _ in entries],
             token_ids=torch.tensor(tokens, dtype=torch.long),
             positions=torch.cat(positions),
             slot_mapping=torch.cat(rows),
@@ -108,22 +129,35 @@ class Scheduler:
             block_size=self.pool.block_size,
         )
 
-    def commit(self, window: Window, sampled: list[int]) -> list[Request]:
-        """Advance counts by the window and append sampled tokens (one per sampling
-        entry, in order). Returns the requests that received a token."""
-        tokens = iter(sampled)
+    def commit(self, window: Window, results: list[list[int]]) -> list[Request]:
+        """Advance counts by the window and append each sampling entry's tokens (accepted
+        drafts plus one). Returns the requests that received tokens."""
+        produced = iter(results)
         updated = []
-        for index, request, count, sample in zip(window.slots, window.requests,
-                                                 window.query_lens, window.samples):
+        for index, request, count, sample, draft in zip(
+                window.slots, window.requests, window.query_lens, window.samples, window.drafts):
             slot = self.slots[index]
+            tokens = next(produced) if sample else []
             if slot.request is not request:  # aborted while the window was in flight
-                if sample:
-                    next(tokens)
                 continue
-            slot.num_computed += count
-            if sample:
-                request.append(next(tokens), self.max_context)
-                updated.append(request)
-                if request.finished:
-                    slot.release()
+            drafted = len(draft.tokens) if draft is not None else 0
+            accepted = len(tokens) - 1 if drafted else 0
+            # The KV of rejected drafts stays in the cache; the next window overwrites it.
+            slot.num_computed += count - (drafted - accepted)
+            slot.draft = None
+            if not sample:
+                continue
+            appended = request.extend(tokens, self.max_context)
+            updated.append(request)
+            if self.drafts is not None:
+                if draft is not None:
+                    self.drafts.record(request, draft, accepted)
+                self.drafts.committed(request, appended)
+            if request.finished:
+                self._release(slot)
         return updated
+
+    def _release(self, slot: Slot) -> None:
+        if self.drafts is not None:
+            self.drafts.finished(slot.request)
+        slot.release()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from strata.engine.request import Request
 from strata.kvcache.block_pool import BlockPool, BlockTable
+from strata.spec.draft import Draft
 
 
 class Slot:
@@ -12,6 +13,7 @@ class Slot:
         self.block_table = BlockTable(pool)
         self.request: Request | None = None
         self.num_computed = 0  # tokens of the request whose KV is in the cache
+        self.draft: Draft | None = None  # drafts carried by the slot's window in flight
 
     @property
     def free(self) -> bool:
@@ -22,9 +24,13 @@ class Slot:
         """Tokens still to run through the model (the last known token included)."""
         return 0 if self.request is None else self.request.num_tokens - self.num_computed
 
+    @property
+    def num_drafted(self) -> int:
+        return len(self.draft.tokens) if self.draft is not None else 0
+
     def assign(self, request: Request) -> None:
         self.request, self.num_computed = request, 0
 
     def release(self) -> None:
         self.block_table.clear()
-        self.request, self.num_computed = None, 0
+        self.request, self.num_computed, self.draft = None, 0, None

@@ -11,6 +11,7 @@ import torch
 
 from strata.engine.request import Request
 from strata.layers.forward_meta import ForwardMeta
+from strata.spec.draft import Draft
 
 
 @dataclass
@@ -19,7 +20,8 @@ class Window:
     slots: list[int]              # slot index of each entry
     requests: list[Request]       # request of each entry
     query_lens: list[int]         # tokens of each entry
-    samples: list[bool]           # does the entry end at its request's last token
+    samples: list[bool]           # does the entry end at its request's last token (+ drafts)
+    drafts: list[Draft | None]    # drafts the entry carries after its last known token
     token_ids: torch.Tensor       # [T]
     positions: torch.Tensor       # [T]
     slot_mapping: torch.Tensor    # [T]
@@ -32,14 +34,17 @@ class Window:
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
-    @property
-    def sampled_requests(self) -> list[Request]:
-        return [r for r, s in zip(self.requests, self.samples) if s]
+    def num_rows(self, entry: int) -> int:
+        """Logits rows of a sampling entry: its last known token and each draft."""
+        draft = self.drafts[entry]
+        return 1 + (len(draft.tokens) if draft is not None else 0)
 
     def logits_idx_of_samples(self) -> torch.Tensor:
-        """Rows of the window (one per sampling entry: its last token)."""
-        ends = torch.cumsum(torch.tensor(self.query_lens), 0) - 1
-        return ends[torch.tensor(self.samples, dtype=torch.bool)]
+        """Rows of the window whose logits the verifier reads, entry by entry."""
+        ends = torch.cumsum(torch.tensor(self.query_lens), 0)
+        rows = [torch.arange(end - self.num_rows(i), end)
+                for i, end in enumerate(ends.tolist()) if self.samples[i]]
+        return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
 
     def logits_idx(self) -> torch.Tensor:
         if self.logits_all:

@@ -1,17 +1,13 @@
 """The FastAPI application: OpenAI routes, health and metrics.
 
-Handlers turn HTTP bodies into prompt token ids and SamplingParams, submit them to the
-AsyncEngine, and turn the token stream back into text (stop strings included) in
-OpenAI's response or SSE chunk shape.
+Handlers turn HTTP bodies into prompt token ids and SamplingParams and submit them to the
+AsyncEngine; responses.py turns the token stream back into OpenAI's shapes.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -24,7 +20,7 @@ from strata.server.config import ServerConfig
 from strata.server.errors import APIError, BodyLimit, error_response, parse_json, validation_message
 from strata.server.metrics import Metrics
 from strata.server.protocol import ChatRequest, CompletionRequest
-from strata.tokenizer.detokenize import IncrementalDetokenizer
+from strata.server.responses import ResponseShape, sse, text_stream
 
 log = logging.getLogger("strata.server")
 
@@ -129,110 +125,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
         if req.stream:
             return StreamingResponse(sse(shape, handle, texts, req.include_usage),
                                      media_type="text/event-stream")
-        pieces, result = [], None
+        text, last = [], None
         try:
-            async for piece, finish, completion_tokens in texts:
+            async for last in texts:
                 if await http.is_disconnected():
                     return Response(status_code=499)  # nobody reads it; the request is aborted
-                pieces.append(piece)
-                result = (finish, completion_tokens)
+                text.append(last.text)
         finally:
             await texts.aclose()
-        return shape.full("".join(pieces), result[0], handle.prompt_tokens, result[1])
+        return shape.full("".join(text), last, handle.prompt_tokens)
 
     return app
-
-
-async def text_stream(handle: RequestHandle, engine: AsyncEngine, stop) -> AsyncIterator:
-    """(text piece, finish_reason or None, completion tokens so far) as tokens arrive.
-    Ends the engine request early on a stop string, and on any exit (a client gone)."""
-    detok = IncrementalDetokenizer(engine.llm.tokenizer, stop=list(stop))
-    tokens, start, first = 0, time.perf_counter(), None
-    finish = None
-    try:
-        async for update in handle.updates():
-            if update.error is not None:
-                raise APIError(503, update.error)
-            tokens += len(update.token_ids)
-            first = first or time.perf_counter()
-            piece = detok.feed(update.token_ids)
-            finish = update.finish_reason
-            if detok.stopped:
-                finish = "stop"
-            if finish is not None:
-                piece += detok.flush()
-                yield piece, ("length" if finish == "length" else "stop"), tokens
-                return
-            if piece:
-                yield piece, None, tokens
-    finally:
-        if finish is None or detok.stopped:  # client gone, or a stop string ended it early
-            engine.abort(handle.request_id)
-        seconds = time.perf_counter() - (first or start)
-        log.info("%s prompt=%d completion=%d %.1f tok/s finish=%s", handle.request_id,
-                 handle.prompt_tokens, tokens, (tokens - 1) / seconds if tokens > 1 else 0.0,
-                 finish or "disconnected")
-
-
-class ResponseShape:
-    """OpenAI's JSON for one response: chat or text completion, whole or in chunks."""
-
-    def __init__(self, model: str, chat: bool):
-        self.model, self.chat = model, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-
-    def _base(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    @staticmethod
-    def usage(prompt: int, completion: int) -> dict:
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
-
-    def full(self, text: str, finish: str, prompt: int, completion: int) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish}
-            body = self._base("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            body = self._base("text_completion")
-        return {**body, "choices": [choice], "usage": self.usage(prompt, completion)}
-
-    def chunk(self, text: str | None, finish: str | None, first: bool = False) -> dict:
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if first else {}
-            if text:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {**self._base("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        return {**self._base("text_completion"), "choices": [choice]}
-
-    def usage_chunk(self, prompt: int, completion: int) -> dict:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._base(obj), "choices": [], "usage": self.usage(prompt, completion)}
-
-
-async def sse(shape: ResponseShape, handle: RequestHandle, texts: AsyncIterator,
-              include_usage: bool) -> AsyncIterator[str]:
-    def event(data: dict) -> str:
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-    completion = 0
-    try:
-        if shape.chat:
-            yield event(shape.chunk(None, None, first=True))
-        async for piece, finish, completion in texts:
-            if piece:
-                yield event(shape.chunk(piece, None))
-            if finish is not None:
-                yield event(shape.chunk(None, finish))
-    except APIError as e:
-        yield event({"error": {"message": e.message, "type": "server_error", "code": e.status}})
-    finally:
-        await texts.aclose()
-    if include_usage:
-        yield event(shape.usage_chunk(handle.prompt_tokens, completion))
-    yield "data: [DONE]\n\n"

@@ -35,6 +35,7 @@ class Update:
     token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    drafts: dict | None = None  # the request's draft statistics, with the final update
 
 
 class RequestHandle:
@@ -119,6 +120,7 @@ class AsyncEngine:
                     self.metrics.window_seconds.observe(time.perf_counter() - start)
                     for request in updated:
                         self._push(request)
+                    self.metrics.observe_drafts(engine.draft_stats)
                 self.metrics.queue_length.set(len(engine.scheduler.waiting))
                 self.metrics.slots_used.set(engine.scheduler.num_running)
         except Exception as e:  # noqa: BLE001 - a dead engine must fail requests, not hang them
@@ -159,7 +161,9 @@ class AsyncEngine:
         ids = request.token_ids[request.num_prompt_tokens + handle.sent:]
         handle.sent += len(ids)
         self.metrics.generation_tokens.inc(len(ids))
-        self._send(handle, Update(ids, request.finish_reason if request.finished else None))
+        final = request.finished
+        self._send(handle, Update(ids, request.finish_reason if final else None,
+                                  drafts=request.draft_stats.as_dict() if final else None))
         if request.finished:
             del self._handles[request.request_id]
             self._finished(request)

@@ -23,5 +23,21 @@ class Metrics:
             "strata_window_seconds", "Time of one window through all stages", registry=r,
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
 
+        self.draft_tokens = Counter("strata_draft_tokens", "Draft tokens sent, by proposer",
+                                    ["proposer"], registry=r)
+        self.draft_accepted = Counter("strata_draft_accepted_tokens",
+                                      "Draft tokens accepted, by proposer", ["proposer"], registry=r)
+        self._seen: dict[str, tuple[int, int]] = {}
+
+    def observe_drafts(self, stats) -> None:
+        """Add what the engine's DraftStats gained since the last call."""
+        for name, s in stats.by_proposer.items():
+            drafted, accepted = self._seen.get(name, (0, 0))
+            if s.drafted > drafted:
+                self.draft_tokens.labels(name).inc(s.drafted - drafted)
+            if s.accepted > accepted:
+                self.draft_accepted.labels(name).inc(s.accepted - accepted)
+            self._seen[name] = (s.drafted, s.accepted)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

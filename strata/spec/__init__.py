@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers, the verifier, and draft statistics."""

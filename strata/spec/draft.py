@@ -1,0 +1,12 @@
+"""Draft: what a proposer proposes for one slot and one window."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Draft:
+    tokens: list[int]             # proposed continuation, at most the asked length
+    scores: list[float]           # per token: the proposer's probability that it is right (0..1)
+    proposer: str = ""            # name of the proposer that made it

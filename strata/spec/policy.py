@@ -1,0 +1,80 @@
+"""DraftPolicy: which proposer drafts for a slot in a window, and how many tokens.
+
+Every proposer's draft carries cumulative scores c_j (the probability that its first j
+tokens are all right). Scaled by the request's running acceptance r for that proposer,
+token j is worth r * c_j expected accepted tokens and costs `--spec-token-cost` (one
+more token in the window, as a fraction of a one-token window). The draft is cut where
+the next token is worth less than it costs, and the proposer with the larger net gain
+wins. The policy also forwards each request's lifecycle to every proposer.
+"""
+
+from __future__ import annotations
+
+from strata.engine.request import Request
+from strata.spec.draft import Draft
+from strata.spec.stats import DraftStats
+
+EMA = 0.3             # weight of the newest window in the running acceptance
+MIN_RATE = 0.1        # a proposer that keeps failing still drafts its most confident tokens
+MAX_RATE = 2.0        # scores that prove pessimistic may be trusted up to twice as much
+
+
+class DraftPolicy:
+    def __init__(self, proposers: list, max_tokens: int, suffix_max: int, token_cost: float):
+        self.proposers = proposers
+        self.max_tokens, self.suffix_max, self.token_cost = max_tokens, suffix_max, token_cost
+        self._acceptance: dict[tuple[str, str], float] = {}
+        self.stats = DraftStats()  # all requests together
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.proposers) and self.max_tokens > 0
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def admitted(self, request: Request) -> None:
+        for p in self.proposers:
+            p.start(request.request_id, request.token_ids)
+
+    def committed(self, request: Request, token_ids: list[int]) -> None:
+        for p in self.proposers:
+            p.extend(request.request_id, token_ids)
+
+    def finished(self, request: Request) -> None:
+        for p in self.proposers:
+            p.finish(request.request_id)
+        for key in [k for k in self._acceptance if k[0] == request.request_id]:
+            del self._acceptance[key]
+
+    # -- drafting -------------------------------------------------------------------------
+    def draft(self, request: Request, room: int) -> Draft | None:
+        """The best draft for the request's next window, at most `room` tokens."""
+        best, best_gain = None, 0.0
+        for p in self.proposers:
+            cap = min(room, self.suffix_max if p.name == "suffix" else self.max_tokens)
+            if cap <= 0:
+                continue
+            draft = p.propose(request.request_id, cap)
+            if not draft or not draft.tokens:
+                continue
+            rate = self._acceptance.get((request.request_id, p.name), 1.0)
+            length, gain = 0, 0.0
+            for score in draft.scores[:cap]:
+                worth = min(1.0, rate * score)
+                if worth <= self.token_cost:
+                    break
+                length += 1
+                gain += worth - self.token_cost
+            if length and gain > best_gain:
+                best = Draft(draft.tokens[:length], draft.scores[:length], p.name)
+                best_gain = gain
+        return best
+
+    def record(self, request: Request, draft: Draft, accepted: int) -> None:
+        """Update the request's running acceptance and its statistics."""
+        key = (request.request_id, draft.proposer)
+        rate = self._acceptance.get(key, 1.0)
+        expected = sum(draft.scores) or 1.0
+        observed = min(accepted / expected, MAX_RATE)
+        self._acceptance[key] = max(MIN_RATE, (1 - EMA) * rate + EMA * observed)
+        request.draft_stats.record(draft.proposer, len(draft.tokens), accepted)
+        self.stats.record(draft.proposer, len(draft.tokens), accepted)

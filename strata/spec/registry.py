@@ -1,0 +1,45 @@
+"""The proposer registry: `--spec-type` names to proposers built from EngineConfig.
+Adding a proposer touches its own file and one line here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from strata.config import EngineConfig
+from strata.errors import StrataError
+from strata.models.config import ModelConfig
+from strata.spec.policy import DraftPolicy
+
+
+def _suffix(config: EngineConfig):
+    from strata.spec.suffix_tree import SuffixProposer
+    # NOTE: depth 32 and a 100k-token global tree keep the tree's memory (nodes per token
+    # of repetitive output) and the cost of adding a finished output bounded.
+    return SuffixProposer(max_draft=max(config.spec_suffix_max, config.spec), max_depth=32,
+                          global_max_tokens=100_000)
+
+
+def _lookup(config: EngineConfig):
+    from strata.spec.lookup import LookupProposer
+    return LookupProposer(min_ngram=config.lookup_min, max_ngram=config.lookup_max,
+                          max_draft=max(config.spec, 1))
+
+
+PROPOSERS: dict[str, Callable[[EngineConfig], object]] = {"suffix": _suffix, "lookup": _lookup}
+
+
+def supported(model: ModelConfig) -> list[str]:
+    """Proposers this model can use (all CPU proposers work with every model)."""
+    return list(PROPOSERS)
+
+
+def build_policy(config: EngineConfig, model: ModelConfig) -> DraftPolicy | None:
+    if config.spec == 0:
+        return None
+    names = list(config.spec_type) or supported(model)
+    for name in names:
+        if name not in supported(model):
+            raise StrataError(f"--spec-type {name} is not available for this model; "
+                              f"available: {', '.join(supported(model))}")
+    proposers = [PROPOSERS[name](config) for name in names]
+    return DraftPolicy(proposers, config.spec, config.spec_suffix_max, config.spec_token_cost)

@@ -1,0 +1,154 @@
+"""Verifier: per entry of a window, which drafts are accepted, plus one more token.
+
+An entry is one slot's run `[last accepted token, d1..dk]` (k may be 0, which is plain
+sampling). Its k+1 logits rows are contiguous; row j is the model's distribution for the
+token after the entry's j-th token.
+
+- Greedy entries accept the longest prefix with d_{j+1} == argmax(row j), then add the
+  argmax of the row after the last accepted draft (the correction, or the bonus).
+- Sampled entries use speculative rejection sampling (Leviathan et al. 2023; Chen et al.
+  2023) against p, the processed distribution the Sampler draws from (`processed_probs`):
+  draft d with proposal probability q(d) is accepted with probability min(1, p(d) / q(d));
+  the first rejection draws from normalize(max(0, p - q)); with every draft accepted, the
+  bonus is drawn from p at row k. The emitted tokens are then distributed exactly as p.
+  Drafts without probabilities are point masses: q = one-hot(d).
+
+Seeded requests draw every random number (k uniforms, then one Exp(1) vector per call)
+from their own generator, which the Sampler owns and forgets. The Verifier does not count,
+commit or touch the KV cache: the scheduler does. Its one host read is the final `.tolist()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.sampling.params import SamplingParams
+from strata.sampling.sampler import Sampler, processed_probs
+
+_TINY = 1e-30  # keeps p / q and p / noise finite where q or the noise is 0
+
+
+@dataclass
+class VerifyEntry:
+    params: SamplingParams
+    request_id: str
+    draft: list[int]                          # d1..dk (k may be 0)
+    draft_probs: torch.Tensor | None = None   # [k, V] proposal distributions; None = point masses
+
+
+class Verifier:
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler  # NOTE: shared, so a seeded request has one generator
+
+    def verify(self, logits: torch.Tensor, entries: list[VerifyEntry]) -> list[list[int]]:
+        """logits: [sum(k_i + 1), V], rows of entry i contiguous and in entry order.
+        Returns per entry the accepted drafts followed by one more token (length a_i + 1)."""
+        num_rows = sum(len(e.draft) + 1 for e in entries)
+        if logits.dim() != 2 or logits.shape[0] != num_rows:
+            raise ValueError(f"verify: logits {tuple(logits.shape)} do not match the entries' "
+                             f"{num_rows} rows (k + 1 per entry)")
+        if not entries:
+            return []
+        layout = _Layout(entries, logits.device)
+        sampled = [i for i, e in enumerate(entries) if not e.params.greedy]
+        if len(sampled) == len(entries):
+            accepted, token = self._rejection_sample(logits, entries, layout)
+        else:
+            top = logits.argmax(dim=-1)                                  # [R]
+            match = (top[layout.rows] == layout.drafts) & layout.valid   # [N, K]
+            accepted = match.long().cumprod(dim=1).sum(dim=1)            # [N]
+            token = top[layout.starts + accepted]                        # [N]
+            if sampled:  # a mixed batch: the sampled entries' rows, verified apart
+                sub = [entries[i] for i in sampled]
+                rows = [layout.start_list[i] + j for i in sampled
+                        for j in range(len(entries[i].draft) + 1)]
+                index = torch.tensor(sampled).to(logits.device, non_blocking=True)
+                sub_logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
+                sub_accepted, sub_token = self._rejection_sample(
+                    sub_logits, sub, _Layout(sub, logits.device))
+                accepted = accepted.index_copy(0, index, sub_accepted)
+                token = token.index_copy(0, index, sub_token)
+        counts, tokens = torch.stack([accepted, token]).tolist()  # NOTE: the one host read
+        return [e.draft[:a] + [t] for e, a, t in zip(entries, counts, tokens)]
+
+    def _rejection_sample(self, logits: torch.Tensor, entries: list[VerifyEntry],
+                          layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled entries only -> (accepted draft counts [N], next tokens [N]), on device."""
+        device = logits.device
+        n, K = len(entries), layout.K
+        row_params = [e.params for e in entries for _ in range(len(e.draft) + 1)]
+        probs = processed_probs(logits, row_params)                  # [R, V]
+        V = probs.shape[1]
+        uniform = torch.rand(n, K, device=device)                    # [N, K]
+        noise = torch.empty(n, V, device=device).exponential_()      # [N, V]
+        for i, e in enumerate(entries):
+            if e.params.seed is not None:
+                gen = self.sampler.generator(e.request_id, e.params.seed, device)
+                uniform[i, :len(e.draft)].uniform_(generator=gen)
+                noise[i].exponential_(generator=gen)
+        noise = noise.clamp_min(_TINY)
+        if K == 0:
+            return torch.zeros(n, dtype=torch.long, device=device), (probs / noise).argmax(dim=-1)
+
+        p_draft = probs[layout.rows, layout.drafts]                  # [N, K]
+        q_draft = torch.ones_like(p_draft)                           # point masses: q(d) = 1
+        stack = _proposal_stack(entries, V, device)                  # [sum k of probabilistic, V]
+        if stack is not None:
+            q_rows = layout.q_offsets[:, None] + torch.arange(K, device=device)
+            q_rows = q_rows.clamp(max=len(stack) - 1)                # [N, K]
+            q_draft = torch.where(layout.has_probs[:, None], stack[q_rows, layout.drafts], q_draft)
+        accept_prob = (p_draft / q_draft.clamp_min(_TINY)).clamp(max=1.0)
+        accepted_mask = (uniform < accept_prob) & layout.valid
+        accepted = accepted_mask.long().cumprod(dim=1).sum(dim=1)    # [N]
+
+        target = probs[layout.starts + accepted]                     # [N, V] p after the prefix
+        at = accepted.clamp(max=K - 1)                               # [N] first rejected draft
+        q_rejected = torch.zeros_like(target).scatter_(1, layout.drafts.gather(1, at[:, None]), 1.0)
+        if stack is not None:
+            q_at = stack[(layout.q_offsets + at).clamp(max=len(stack) - 1)]
+            q_rejected = torch.where(layout.has_probs[:, None], q_at, q_rejected)
+        rejected = (accepted < layout.ks)[:, None]
+        residual = (target - q_rejected * rejected).clamp_min(0)     # [N, V]
+        # NOTE: an empty residual means p == q on that row (rejection had probability ~0).
+        residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, target)
+        return accepted, (residual / noise).argmax(dim=-1)
+
+
+class _Layout:
+    """Where each entry's rows and drafts are, as small device tensors built in one copy."""
+
+    def __init__(self, entries: list[VerifyEntry], device: torch.device):
+        ks = [len(e.draft) for e in entries]
+        self.K = max(ks)
+        self.start_list: list[int] = []
+        table, row, q_offset = [], 0, 0
+        for e, k in zip(entries, ks):
+            has_probs = e.draft_probs is not None
+            if has_probs and e.draft_probs.shape[0] != k:
+                raise ValueError(f"verify: request {e.request_id} has {k} drafts but "
+                                 f"draft_probs of shape {tuple(e.draft_probs.shape)}")
+            table.append([row, k, q_offset, int(has_probs)] + e.draft + [0] * (self.K - k))
+            self.start_list.append(row)
+            row += k + 1
+            q_offset += k if has_probs else 0
+        t = torch.tensor(table, dtype=torch.long).to(device, non_blocking=True)  # [N, 4 + K]
+        self.starts, self.ks, self.q_offsets = t[:, 0], t[:, 1], t[:, 2]
+        self.has_probs = t[:, 3].bool()
+        self.drafts = t[:, 4:]                                      # [N, K], padded with 0
+        j = torch.arange(self.K, device=device)
+        self.valid = j[None, :] < self.ks[:, None]                  # [N, K]
+        self.rows = torch.where(self.valid, self.starts[:, None] + j, self.starts[:, None])
+
+
+def _proposal_stack(entries: list[VerifyEntry], V: int,
+                    device: torch.device) -> torch.Tensor | None:
+    """The probabilistic entries' draft_probs, concatenated in entry order: [sum k, V]."""
+    parts = [e.draft_probs for e in entries if e.draft_probs is not None and len(e.draft) > 0]
+    if not parts:
+        return None
+    for part in parts:
+        if part.shape[-1] != V:
+            raise ValueError(f"verify: draft_probs have {part.shape[-1]} columns, logits {V}")
+    return torch.cat([p.to(device=device, dtype=torch.float32) for p in parts])
