@@ -63,7 +63,8 @@ class ModelRunner:
         """Run the window and verify it: per sampling entry, its accepted drafts plus one
         token (one sampled token where it carries no drafts)."""
         logits = self.forward(window)
-        entries = [VerifyEntry(r.params, r.request_id, d.tokens if d is not None else [])
+        entries = [VerifyEntry(r.params, r.request_id, d.tokens if d is not None else [],
+                               position=r.num_tokens)
                    for r, d, s in zip(window.requests, window.drafts, window.samples) if s]
         if not entries:
             return []

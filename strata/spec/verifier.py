@@ -6,16 +6,20 @@ token after the entry's j-th token.
 
 - Greedy entries accept the longest prefix with d_{j+1} == argmax(row j), then add the
   argmax of the row after the last accepted draft (the correction, or the bonus).
-- Sampled entries use speculative rejection sampling (Leviathan et al. 2023; Chen et al.
-  2023) against p, the processed distribution the Sampler draws from (`processed_probs`):
-  draft d with proposal probability q(d) is accepted with probability min(1, p(d) / q(d));
-  the first rejection draws from normalize(max(0, p - q)); with every draft accepted, the
-  bonus is drawn from p at row k. The emitted tokens are then distributed exactly as p.
-  Drafts without probabilities are point masses: q = one-hot(d).
+- Sampled entries whose drafts are point masses (every CPU proposer's, and MTP's greedy
+  chain) draw one token from each row's processed distribution p (`processed_probs`) and
+  accept drafts while the draws equal them. This is rejection sampling with q = one-hot(d)
+  (a draft is accepted with probability p(d); after a rejection the draw is distributed as
+  p without d, renormalised), so the output is distributed exactly as the model's own. The
+  noise of the draw for the token at position t of a seeded request depends only on (seed,
+  t), so a seeded request gives the same text with or without drafts.
+- Entries with proposal distributions q use speculative rejection sampling (Leviathan et
+  al. 2023; Chen et al. 2023): d is accepted with probability min(1, p(d) / q(d)); the
+  first rejection draws from normalize(max(0, p - q)); with every draft accepted, the
+  bonus is drawn from p at row k. Their random numbers come from the request's generator.
 
-Seeded requests draw every random number (k uniforms, then one Exp(1) vector per call)
-from their own generator, which the Sampler owns and forgets. The Verifier does not count,
-commit or touch the KV cache: the scheduler does. Its one host read is the final `.tolist()`.
+The Verifier does not count, commit or touch the KV cache: the scheduler does. Its one
+host read is the final `.tolist()`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class VerifyEntry:
     request_id: str
     draft: list[int]                          # d1..dk (k may be 0)
     draft_probs: torch.Tensor | None = None   # [k, V] proposal distributions; None = point masses
+    position: int = 0                         # position of the token row 0 decides
 
 
 class Verifier:
@@ -53,7 +58,9 @@ class Verifier:
             return []
         layout = _Layout(entries, logits.device)
         sampled = [i for i, e in enumerate(entries) if not e.params.greedy]
-        if len(sampled) == len(entries):
+        if len(sampled) == len(entries) and all(e.draft_probs is None for e in entries):
+            accepted, token = self._sample_and_match(logits, entries, layout)
+        elif len(sampled) == len(entries):
             accepted, token = self._rejection_sample(logits, entries, layout)
         else:
             top = logits.argmax(dim=-1)                                  # [R]
@@ -66,12 +73,35 @@ class Verifier:
                         for j in range(len(entries[i].draft) + 1)]
                 index = torch.tensor(sampled).to(logits.device, non_blocking=True)
                 sub_logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
-                sub_accepted, sub_token = self._rejection_sample(
-                    sub_logits, sub, _Layout(sub, logits.device))
+                sub_accepted, sub_token = self._sample_sub(sub_logits, sub)
                 accepted = accepted.index_copy(0, index, sub_accepted)
                 token = token.index_copy(0, index, sub_token)
         counts, tokens = torch.stack([accepted, token]).tolist()  # NOTE: the one host read
         return [e.draft[:a] + [t] for e, a, t in zip(entries, counts, tokens)]
+
+    def _sample_sub(self, logits: torch.Tensor, entries: list[VerifyEntry]):
+        layout = _Layout(entries, logits.device)
+        if all(e.draft_probs is None for e in entries):
+            return self._sample_and_match(logits, entries, layout)
+        return self._rejection_sample(logits, entries, layout)
+
+    def _sample_and_match(self, logits: torch.Tensor, entries: list[VerifyEntry],
+                          layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Point-mass drafts: one draw per row, drafts accepted while they equal the draws."""
+        row_params = [e.params for e in entries for _ in range(len(e.draft) + 1)]
+        probs = processed_probs(logits, row_params)                  # [R, V]
+        noise = torch.empty_like(probs).exponential_()
+        row = 0
+        for e in entries:
+            for j in range(len(e.draft) + 1):
+                if e.params.seed is not None:
+                    noise[row].exponential_(generator=position_generator(
+                        e.params.seed, e.position + j, probs.device))
+                row += 1
+        draws = (probs / noise.clamp_min(_TINY)).argmax(dim=-1)     # [R]
+        match = (draws[layout.rows] == layout.drafts) & layout.valid
+        accepted = match.long().cumprod(dim=1).sum(dim=1)            # [N]
+        return accepted, draws[layout.starts + accepted]
 
     def _rejection_sample(self, logits: torch.Tensor, entries: list[VerifyEntry],
                           layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +144,13 @@ class Verifier:
         # NOTE: an empty residual means p == q on that row (rejection had probability ~0).
         residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, target)
         return accepted, (residual / noise).argmax(dim=-1)
+
+
+def position_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    """The generator of a seeded request's draw for the token at `position`."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + position) % (2 ** 63))
+    return gen
 
 
 class _Layout:
