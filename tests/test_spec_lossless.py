@@ -4,8 +4,6 @@ MoE models and on the default model returning a whole source file with one renam
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -14,7 +12,7 @@ from strata.engine.engine import Engine
 from strata.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-EDIT_FILE = Path(__file__).parent.parent / "strata/bench/workloads/inventory_small.py.txt"
+from strata.bench.workloads import edit_prompt
 
 
 def copy_heavy_prompts(n: int, vocab: int) -> list[list[int]]:
@@ -47,12 +45,10 @@ def test_greedy_identical_with_and_without_drafts(tiny_models, kind):
 def test_default_model_copy_heavy_answer_is_identical_with_drafts(gguf_path):
     from strata.llm import LLM
 
-    source = EDIT_FILE.read_text()
     # NOTE: SmolLM2-135M does not apply the rename faithfully (transformers gives the same
     # text); it does answer with long stretches copied from the file, which is what drafts
     # are for and what this test needs.
-    prompt = (f"```python\n{source}```\n\nRewrite this file with the method `low_stock` renamed "
-              "to `parts_below_reorder_level`. Output the whole file.")
+    prompt = edit_prompt("small")
     params = SamplingParams(temperature=0, max_tokens=300)
     plain = LLM(EngineConfig(model=str(gguf_path), spec=0, max_context=2048))
     ids = plain.encode_prompt(prompt)

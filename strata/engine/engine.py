@@ -29,11 +29,15 @@ class Engine:
         if self.max_context > self.model_config.max_position:
             raise StrataError(f"--max-context {self.max_context} is larger than the model's "
                               f"context of {self.model_config.max_position} tokens; lower it")
+        policy = build_policy(config, self.model_config)
+        use_mtp = policy is not None and policy.mtp is not None
         self.scheduler = Scheduler(config.parallel, self.max_context, config.max_window_tokens,
-                                   config.block_size, build_policy(config, self.model_config))
+                                   config.block_size, policy,
+                                   lookahead=1 + config.spec if use_mtp else 0)
         self.draft_stats = (self.scheduler.drafts.stats if self.scheduler.drafts is not None
                             else DraftStats())  # every request's drafts together
-        self.runner = ModelRunner(config, self.checkpoint, self.scheduler.pool.num_blocks)
+        self.runner = ModelRunner(config, self.checkpoint, self.scheduler.pool.num_blocks,
+                                  self.max_context, mtp=use_mtp)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
@@ -79,8 +83,8 @@ class Engine:
         window = self.scheduler.schedule()
         if window is None:
             return []
-        results = self.runner.execute(window)
-        updated = self.scheduler.commit(window, results)
+        results, mtp_drafts = self.runner.execute(window)
+        updated = self.scheduler.commit(window, results, mtp_drafts)
         for request in updated:
             if request.finished:
                 self.runner.sampler.forget(request.request_id)
@@ -97,7 +101,7 @@ class Engine:
         while self.has_work:
             window = self.scheduler.schedule()
             window.logits_all = True
-            logits = self.runner.forward(window)
+            logits, _ = self.runner.forward(window)
             rows.append(logits)
             sampled = logits[window.logits_idx_of_samples()].argmax(-1)
             self.scheduler.commit(window, [[t] for t in sampled.tolist()])

@@ -22,7 +22,8 @@ from strata.models.registry import Architecture
 class StageModule(nn.Module):
     """Parameters are named as in Hugging Face checkpoints (`model.layers.7.mlp...`)."""
 
-    def __init__(self, arch: Architecture, start: int, end: int, first: bool, last: bool):
+    def __init__(self, arch: Architecture, start: int, end: int, first: bool, last: bool,
+                 mtp: bool = False):
         super().__init__()
         c = arch.config
         self.first, self.last = first, last
@@ -35,31 +36,40 @@ class StageModule(nn.Module):
         if last:
             self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if mtp:  # the MTP layer, sharing this stage's embedding (if any) and lm_head
+            from strata.spec.mtp import MTPHead
+            self.mtp = MTPHead(arch, self.rotary, self.model.embed_tokens if first else None,
+                               self.lm_head)
 
-    def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: KVCache):
         """x: token ids [T] on the first stage, else hidden [T, hidden].
-        Returns hidden [T, hidden], or logits [S, vocab] on the last stage."""
+        Returns hidden [T, hidden]; on the last stage (logits [S, vocab] of the rows the
+        window asks for, final-norm hidden [T, hidden] of every row)."""
         h = self.model.embed_tokens(x) if self.first else x
         for i, layer in enumerate(self.model.layers.values()):
             h = layer(h, meta, cache.layer(i))
         if self.last:
-            h = self.lm_head(self.model.norm(h[meta.logits_idx]))
+            normed = self.model.norm(h)
+            return self.lm_head(normed[meta.logits_idx]), normed
         return h
 
 
 class Stage:
     def __init__(self, index: int, arch: Architecture, layers: tuple[int, int], num_stages: int,
                  device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
-                 num_blocks: int, block_size: int):
+                 num_blocks: int, block_size: int, mtp: bool = False):
         self.index, self.layers, self.device = index, layers, device
         c = arch.config
+        last = index == num_stages - 1
         with torch.device("meta"):
-            module = StageModule(arch, *layers, first=index == 0, last=index == num_stages - 1)
+            module = StageModule(arch, *layers, first=index == 0, last=last, mtp=mtp and last)
         self.module = module.to_empty(device=device).to(dtype)
         self.module.rotary.reset(device)
         self.cache = KVCache(layers[1] - layers[0], num_blocks, block_size, c.num_kv_heads,
                              c.head_dim, kv_dtype, device)
         self.arch = arch
+        self.mtp_cache = (KVCache(1, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                                  kv_dtype, device) if hasattr(self.module, "mtp") else None)
 
     def load(self, checkpoint, progress: tqdm | None = None) -> None:
         """Copy this stage's tensors from the checkpoint, checking every shape."""
@@ -73,6 +83,7 @@ class Stage:
                     progress.update(1)
 
     def _checked(self, name: str, param: torch.Tensor, checkpoint) -> torch.Tensor:
+        name = name.removeprefix("mtp.")  # the MTP head's names are the checkpoint's
         tensor = self.arch.load_tensor(name, checkpoint)
         if tuple(tensor.shape) != tuple(param.shape):
             raise StrataError(

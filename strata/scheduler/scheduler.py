@@ -23,13 +23,14 @@ from strata.spec.policy import DraftPolicy
 
 class Scheduler:
     def __init__(self, num_slots: int, max_context: int, max_window_tokens: int,
-                 block_size: int, drafts: DraftPolicy | None = None):
+                 block_size: int, drafts: DraftPolicy | None = None, lookahead: int = 0):
         blocks_per_slot = -(-max_context // block_size)
         # NOTE: every slot can always grow to max_context, so no request is ever preempted.
         self.pool = BlockPool(num_slots * blocks_per_slot, block_size)
         self.slots = [Slot(i, self.pool) for i in range(num_slots)]
         self.max_context, self.max_window_tokens = max_context, max_window_tokens
         self.drafts = drafts if drafts is not None and drafts.enabled else None
+        self.lookahead = lookahead  # positions past a window the MTP layer writes
         self.waiting: deque[Request] = deque()
 
     # -- requests -------------------------------------------------------------------------
@@ -103,7 +104,7 @@ class Scheduler:
         tokens, positions, rows, tables = [], [], [], []
         for slot, count in entries:
             start = slot.num_computed
-            slot.block_table.ensure(start + count)
+            slot.block_table.ensure(min(self.max_context, start + count + self.lookahead))
             tokens.extend(slot.request.token_ids[start:start + count - slot.num_drafted])
             if slot.draft is not None:
                 tokens.extend(slot.draft.tokens)
@@ -129,15 +130,19 @@ class Scheduler:
             block_size=self.pool.block_size,
         )
 
-    def commit(self, window: Window, results: list[list[int]]) -> list[Request]:
+    def commit(self, window: Window, results: list[list[int]],
+               mtp_drafts: list[tuple[list[int], list[float]]] | None = None) -> list[Request]:
         """Advance counts by the window and append each sampling entry's tokens (accepted
-        drafts plus one). Returns the requests that received tokens."""
+        drafts plus one); keep the MTP drafts that came back for each sampling entry.
+        Returns the requests that received tokens."""
         produced = iter(results)
+        mtp_produced = iter(mtp_drafts or [])
         updated = []
         for index, request, count, sample, draft in zip(
                 window.slots, window.requests, window.query_lens, window.samples, window.drafts):
             slot = self.slots[index]
             tokens = next(produced) if sample else []
+            mtp = next(mtp_produced, None) if sample and mtp_drafts else None
             if slot.request is not request:  # aborted while the window was in flight
                 continue
             drafted = len(draft.tokens) if draft is not None else 0
@@ -153,6 +158,8 @@ class Scheduler:
                 if draft is not None:
                     self.drafts.record(request, draft, accepted)
                 self.drafts.committed(request, appended)
+                if mtp is not None and not request.finished:
+                    self.drafts.mtp.store(request.request_id, *mtp)
             if request.finished:
                 self._release(slot)
         return updated

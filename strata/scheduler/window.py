@@ -34,6 +34,11 @@ class Window:
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    def entry_starts(self) -> list[int]:
+        """Position of each entry's first token."""
+        offsets = torch.cumsum(torch.tensor([0] + self.query_lens[:-1]), 0)
+        return self.positions[offsets].tolist()
+
     def num_rows(self, entry: int) -> int:
         """Logits rows of a sampling entry: its last known token and each draft."""
         draft = self.drafts[entry]

@@ -14,8 +14,10 @@ from strata.engine.request import Request
 from strata.spec.draft import Draft
 from strata.spec.stats import DraftStats
 
-EMA = 0.3             # weight of the newest window in the running acceptance
-MIN_RATE = 0.1        # a proposer that keeps failing still drafts its most confident tokens
+EMA = 0.5             # weight of the newest window in the running acceptance
+MIN_RATE = 0.02       # a proposer that keeps failing stops drafting...
+RECOVERY = 0.003      # ...and is trusted a little more every window it sits out, so it
+                      # is tried again now and then (about every 5-10 windows)
 MAX_RATE = 2.0        # scores that prove pessimistic may be trusted up to twice as much
 
 
@@ -25,6 +27,11 @@ class DraftPolicy:
         self.max_tokens, self.suffix_max, self.token_cost = max_tokens, suffix_max, token_cost
         self._acceptance: dict[tuple[str, str], float] = {}
         self.stats = DraftStats()  # all requests together
+
+    @property
+    def mtp(self):
+        """The MTP proposer, if drafting uses the model's MTP layer."""
+        return next((p for p in self.proposers if p.name == "mtp"), None)
 
     @property
     def enabled(self) -> bool:
@@ -56,7 +63,10 @@ class DraftPolicy:
             draft = p.propose(request.request_id, cap)
             if not draft or not draft.tokens:
                 continue
-            rate = self._acceptance.get((request.request_id, p.name), 1.0)
+            key = (request.request_id, p.name)
+            rate = self._acceptance.get(key, 1.0)
+            if rate < 1.0:
+                self._acceptance[key] = min(1.0, rate + RECOVERY)
             length, gain = 0, 0.0
             for score in draft.scores[:cap]:
                 worth = min(1.0, rate * score)

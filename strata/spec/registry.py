@@ -25,12 +25,19 @@ def _lookup(config: EngineConfig):
                           max_draft=max(config.spec, 1))
 
 
-PROPOSERS: dict[str, Callable[[EngineConfig], object]] = {"suffix": _suffix, "lookup": _lookup}
+def _mtp(config: EngineConfig):
+    from strata.spec.mtp import MTPProposer
+    return MTPProposer()
+
+
+PROPOSERS: dict[str, Callable[[EngineConfig], object]] = {
+    "suffix": _suffix, "lookup": _lookup, "mtp": _mtp}
 
 
 def supported(model: ModelConfig) -> list[str]:
-    """Proposers this model can use (all CPU proposers work with every model)."""
-    return list(PROPOSERS)
+    """Proposers this model can use: the CPU proposers always, MTP where the checkpoint
+    has MTP layers."""
+    return [name for name in PROPOSERS if name != "mtp" or model.num_mtp_layers > 0]
 
 
 def build_policy(config: EngineConfig, model: ModelConfig) -> DraftPolicy | None:

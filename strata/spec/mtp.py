@@ -1,0 +1,170 @@
+"""MTP drafting on the last stage (DeepSeek-V3 / GLM-4.5 layout, `model.layers.{L}.*` with
+L = num_hidden_layers): the model's own multi-token-prediction layer.
+
+After the verifier has decided a window, the MTP layer runs over every position the
+window committed: position p pairs the main model's final hidden state at p with the
+token at p + 1 (`eh_proj(cat(enorm(embed(t)), hnorm(h)))`, then the MTP decoder layer at
+position p + 1, then `shared_head.norm`), filling the layer's own KV cache. The output at
+each slot's last committed position predicts its first draft; further drafts chain by
+feeding the draft token with the MTP output hidden state one position on, until the draft
+probability falls below `--spec-min-p` or the chain reaches `--spec`. Drafts are greedy
+(point masses). Rejected positions are overwritten by the next window, as in the main model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from strata.kvcache.cache import KVCache
+from strata.layers.forward_meta import ForwardMeta
+from strata.layers.norm import RMSNorm
+from strata.models.registry import Architecture
+from strata.scheduler.window import Window
+from strata.spec.draft import Draft
+
+
+class MTPHead(nn.Module):
+    """Parameters named as in the checkpoint under `mtp.` (the stage strips it on load)."""
+
+    def __init__(self, arch: Architecture, rotary, embed: nn.Embedding | None, lm_head: nn.Module):
+        super().__init__()
+        c = arch.config
+        self.index = c.num_layers
+        self.model = nn.Module()
+        self.model.embed_tokens = embed if embed is not None else nn.Embedding(
+            c.vocab_size, c.hidden_size)
+        layer = arch.make_layer(self.index, rotary)
+        layer.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        layer.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        layer.eh_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
+        layer.shared_head = nn.Module()
+        layer.shared_head.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.model.layers = nn.ModuleDict({str(self.index): layer})
+        self.lm_head = lm_head
+
+    @property
+    def layer(self) -> nn.Module:
+        return self.model.layers[str(self.index)]
+
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, meta: ForwardMeta,
+             cache: KVCache) -> torch.Tensor:
+        """tokens [N], previous hidden [N, h] -> MTP hidden [N, h] (after shared_head.norm)."""
+        layer = self.layer
+        x = layer.eh_proj(torch.cat((layer.enorm(self.model.embed_tokens(tokens)),
+                                     layer.hnorm(hidden)), dim=-1))
+        return layer.shared_head.norm(layer(x, meta, cache.layer(0)))
+
+
+class MTPDrafter:
+    """Runs an MTPHead after verification and returns each sampling entry's drafts."""
+
+    def __init__(self, head: MTPHead, cache: KVCache, max_drafts: int, min_p: float,
+                 max_context: int):
+        self.head, self.cache = head, cache
+        self.max_drafts, self.min_p, self.max_context = max_drafts, min_p, max_context
+
+    @torch.inference_mode()
+    def draft(self, window: Window, results: list[list[int]], hidden: torch.Tensor,
+              next_prompt_tokens: list[int | None]) -> list[tuple[list[int], list[float]]]:
+        """hidden: the main model's final-norm hidden states of every window row.
+        `next_prompt_tokens[e]` is the token after a non-sampling entry's last one.
+        Returns (tokens, probabilities) per sampling entry, in entry order."""
+        device = hidden.device
+        rows, tokens, positions, lens = [], [], [], []
+        last_rows, sampling = [], []
+        produced = iter(results)
+        offset = 0
+        window_tokens = window.token_ids.tolist()
+        for e, (count, sample) in enumerate(zip(window.query_lens, window.samples)):
+            start = int(window.positions[offset])
+            if sample:
+                accepted = next(produced)
+                drafted = window.num_rows(e) - 1
+                committed = count - drafted + len(accepted) - 1
+                following = accepted[-1:]
+            else:
+                committed, following = count, [next_prompt_tokens[e]]
+            nexts = window_tokens[offset + 1: offset + committed] + following
+            keep = min(committed, self.max_context - 1 - start)  # MTP writes position p + 1
+            rows += range(offset, offset + keep)
+            tokens += nexts[:keep]
+            positions += range(start + 1, start + 1 + keep)
+            lens.append(keep)
+            if sample:
+                sampling.append(len(lens) - 1)
+                last_rows.append(sum(lens) - 1 if keep else -1)
+            offset += count
+        alive = [i for i, r in zip(sampling, last_rows) if r >= 0]
+        drafts: dict[int, tuple[list[int], list[float]]] = {i: ([], []) for i in sampling}
+        if not rows:
+            return [drafts[i] for i in sampling]
+        entries = [i for i, n in enumerate(lens) if n]
+        out = self._run(torch.tensor(tokens), hidden[torch.tensor(rows, device=device)],
+                        positions, [lens[i] for i in entries], window, entries)
+        ends = torch.tensor([sum(lens[:i + 1]) - 1 for i in alive], device=device)
+        h = out[ends]                                                   # [A, hidden]
+        pos = [positions[sum(lens[:i + 1]) - 1] for i in alive]
+        for _ in range(self.max_drafts):
+            probs = torch.softmax(self.head.lm_head(h).float(), dim=-1)
+            best, token = probs.max(dim=-1)
+            best_l, token_l = best.tolist(), token.tolist()  # NOTE: one host read per step
+            keep = [j for j, (p, i) in enumerate(zip(best_l, alive))
+                    if p >= self.min_p and pos[j] + 1 < self.max_context]
+            for j, i in enumerate(alive):
+                if j in keep:
+                    drafts[i][0].append(token_l[j])
+                    drafts[i][1].append(best_l[j])
+            if not keep or len(drafts[alive[keep[0]]][0]) >= self.max_drafts:
+                break
+            alive = [alive[j] for j in keep]
+            index = torch.tensor(keep, device=device)
+            pos = [pos[j] + 1 for j in keep]
+            h = self._run(token[index].cpu(), h[index], pos, [1] * len(alive), window, alive)
+        return [drafts[i] for i in sampling]
+
+    def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: list[int],
+             lens: list[int], window: Window, entries: list[int]) -> torch.Tensor:
+        """One MTP forward: `lens[i]` rows for window entry `entries[i]`."""
+        block_size = window.block_size
+        tables = window.block_tables[torch.tensor(entries)]
+        pos = torch.tensor(positions)
+        entry_of_row = torch.repeat_interleave(torch.arange(len(entries)), torch.tensor(lens))
+        slot_mapping = tables[entry_of_row, pos // block_size] * block_size + pos % block_size
+        meta = ForwardMeta.build(query_lens=lens, positions=pos, slot_mapping=slot_mapping,
+                                 block_tables=tables, block_size=block_size,
+                                 logits_idx=torch.zeros(0, dtype=torch.long),
+                                 device=hidden.device)
+        return self.head.step(tokens.to(hidden.device), hidden, meta, self.cache)
+
+
+class MTPProposer:
+    """The scheduler's side of MTP: it holds the drafts that came back with each slot's
+    last window results and proposes them for the slot's next window."""
+
+    name = "mtp"
+
+    def __init__(self):
+        self._drafts: dict[str, Draft] = {}
+
+    def start(self, request_id: str, prompt_ids: list[int]) -> None:
+        self._drafts.pop(request_id, None)
+
+    def extend(self, request_id: str, token_ids: list[int]) -> None:
+        self._drafts.pop(request_id, None)  # drafts are for the position just committed
+
+    def store(self, request_id: str, tokens: list[int], probs: list[float]) -> None:
+        scores, running = [], 1.0
+        for p in probs:
+            running *= p
+            scores.append(running)
+        self._drafts[request_id] = Draft(tokens, scores, self.name)
+
+    def propose(self, request_id: str, max_tokens: int) -> Draft | None:
+        draft = self._drafts.get(request_id)
+        if draft is None or not draft.tokens:
+            return None
+        return Draft(draft.tokens[:max_tokens], draft.scores[:max_tokens], self.name)
+
+    def finish(self, request_id: str) -> None:
+        self._drafts.pop(request_id, None)

@@ -1,0 +1,104 @@
+"""MTP drafts: Strata's first MTP draft equals transformers' MTP candidate on tiny random
+glm4_moe and deepseek_v3 checkpoints with an MTP layer, and greedy output with MTP drafts
+(chained, any split, one or eight requests) equals greedy output without drafts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import prompts
+from strata.config import EngineConfig
+from strata.engine.engine import Engine
+from strata.sampling.params import SamplingParams
+from test_models_glm_deepseek import build
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def sharded(folder) -> None:
+    """Make the two safetensors files one sharded checkpoint with an index, the layout in
+    which transformers' MtpModel finds MTP weights."""
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    (folder / "model-mtp.safetensors").rename(folder / "model-00002-of-00002.safetensors")
+    weight_map = {}
+    for f in sorted(folder.glob("model-*.safetensors")):
+        with safe_open(str(f), "pt") as handle:
+            weight_map.update({k: f.name for k in handle.keys()})
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.fixture(scope="module")
+def mtp_models(tmp_path_factory):
+    out = {}
+    for kind in ("glm4_moe", "deepseek_v3"):
+        folder = tmp_path_factory.mktemp(f"mtp_{kind}")
+        model, _ = build(kind, folder)
+        sharded(folder)
+        out[kind] = folder
+    return out
+
+
+def transformers_candidates(folder, ids: list[int], monkeypatch) -> list[list[int]]:
+    import transformers
+    from transformers.generation import candidate_generator
+
+    config = json.loads((folder / "config.json").read_text())
+    cls = getattr(transformers, config["architectures"][0])
+    # Those classes find MTP weights by a fixed layer number (that of the real checkpoint).
+    monkeypatch.setattr(cls, "_keys_to_ignore_on_load_unexpected",
+                        [rf"model\.layers\.{config['num_hidden_layers']}\..*"])
+    model = cls.from_pretrained(str(folder), dtype=torch.float32)
+    seen = []
+    original = candidate_generator.MTPCandidateGenerator.get_candidates
+
+    def spy(self, input_ids, *args, **kwargs):
+        out = original(self, input_ids, *args, **kwargs)
+        seen.append(out[0][0, input_ids.shape[1]:].tolist())
+        return out
+
+    monkeypatch.setattr(candidate_generator.MTPCandidateGenerator, "get_candidates", spy)
+    model.eval().generate(torch.tensor([ids]), use_mtp=True, max_new_tokens=3, do_sample=False)
+    return [c for c in seen if c]
+
+
+@pytest.mark.parametrize("kind", ["glm4_moe", "deepseek_v3"])
+def test_first_mtp_draft_equals_transformers_candidate(mtp_models, kind, monkeypatch):
+    folder = mtp_models[kind]
+    for ids in prompts(3, 320, seed=4, low=6, high=30):
+        expected = transformers_candidates(folder, ids, monkeypatch)[0][0]
+        engine = Engine(EngineConfig(model=str(folder), spec=1, spec_type=("mtp",),
+                                     spec_min_p=0.0, max_context=128))
+        request = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=4))
+        engine.step()  # the prompt's window: first token, then the MTP layer drafts
+        draft = engine.scheduler.drafts.mtp.propose(request.request_id, 1)
+        assert draft.tokens == [expected]
+        assert 0 < draft.scores[0] <= 1
+
+
+@pytest.mark.parametrize("split", [(), (2,)])
+def test_greedy_identical_with_chained_mtp_drafts(mtp_models, split):
+    folder = mtp_models["glm4_moe"]
+    batch = prompts(8, 320, seed=9, low=3, high=40)
+    plain = Engine(EngineConfig(model=str(folder), spec=0, parallel=8, max_context=128))
+    expected = plain.generate(batch, GREEDY)
+    engine = Engine(EngineConfig(model=str(folder), spec=3, spec_type=("mtp",), spec_min_p=0.0,
+                                 spec_token_cost=0.0, parallel=8, max_window_tokens=32,
+                                 layer_split=split, max_context=128))
+    assert engine.generate(batch, GREEDY) == expected
+    stats = engine.draft_stats.by_proposer["mtp"]
+    assert stats.drafted > stats.windows  # chains of more than one draft were sent
+    assert engine.generate(batch[:1], GREEDY) == expected[:1]
+
+
+def test_mtp_is_offered_only_where_the_model_has_it(mtp_models, tiny_models):
+    from strata.errors import StrataError
+
+    with pytest.raises(StrataError, match="--spec-type mtp"):
+        Engine(EngineConfig(model=str(tiny_models["llama"][0]), spec_type=("mtp",)))
+    engine = Engine(EngineConfig(model=str(mtp_models["glm4_moe"]), max_context=64))
+    assert [p.name for p in engine.scheduler.drafts.proposers] == ["suffix", "lookup", "mtp"]
