@@ -45,7 +45,7 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--results", default=str(Path(__file__).parent / "results.jsonl"))
-    add_engine_flags(parser)
+    add_engine_flags(parser, defaults={"spec": 0})  # plain decode unless --spec is given
     args = parser.parse_args()
     if args.max_window_tokens < args.prompt_tokens:
         args.max_window_tokens = args.prompt_tokens  # one prefill window
@@ -63,7 +63,7 @@ def main() -> int:
         decode.append((args.decode_tokens - 1) / d)
     model = args.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)"
     settings = (f"devices={','.join(config.devices)} dtype={config.torch_dtype()} "
-                f"kv={config.kv_dtype()} split={list(config.layer_split) or '-'} "
+                f"kv={config.kv_dtype()} split={list(config.layer_split) or '-'} spec={config.spec} "
                 f"threads={torch.get_num_threads()}")
     print(f"machine: {machine()}\ncommit: {commit()}\nmodel: {model}\nsettings: {settings}\n")
     print(markdown_table(
