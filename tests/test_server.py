@@ -196,3 +196,13 @@ def test_disconnect_frees_the_slot_and_the_queue_limit_holds(tmp_path):
         while metric(base, "strata_slots_used") != 0:
             assert time.monotonic() < deadline
             time.sleep(0.1)
+
+
+def test_draft_statistics_in_usage_and_metrics(client, server):
+    source = "def area(w, h):\n    return w * h\n\n" * 6
+    reply = client.completions.create(model=MODEL, prompt=source, temperature=0, max_tokens=48)
+    drafts = reply.usage.model_extra["drafts"]
+    assert drafts["drafted"] >= drafts["accepted"] > 0
+    assert set(drafts["by_proposer"]) <= {"suffix", "lookup"}
+    assert metric(server[0], "strata_draft_accepted_tokens_total") >= drafts["accepted"]
+    assert "drafts=" in server[2].read_text()
