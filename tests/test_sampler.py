@@ -1,5 +1,6 @@
-"""The sampler: greedy rows, per-row parameters in one batch, seeds, and the truncations
-(top-k, top-p, min-p) keeping exactly the tokens they should."""
+"""Sampling (a Verifier entry without drafts): greedy rows, per-row parameters in one
+batch, seeds, and the truncations (top-k, top-p, min-p) keeping exactly the tokens they
+should."""
 
 from __future__ import annotations
 
@@ -9,21 +10,25 @@ import torch
 from strata.errors import StrataError
 from strata.sampling.params import SamplingParams
 from strata.sampling.sampler import Sampler
+from strata.spec.verifier import Verifier, VerifyEntry
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
 
 
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions=None) -> torch.Tensor:
+    positions = positions or [0] * len(params)
+    entries = [VerifyEntry(p, f"r{i}", [], position=t)
+               for i, (p, t) in enumerate(zip(params, positions))]
+    return torch.tensor([t for [t] in Verifier(Sampler()).verify(logits, entries)])
+
+
 def draw(params: SamplingParams, n: int = 2000) -> torch.Tensor:
-    sampler = Sampler()
-    logits = LOGITS.repeat(n, 1)
-    return sampler.sample(logits, [params] * n, [f"r{i}" for i in range(n)])
+    return sample(LOGITS.repeat(n, 1), [params] * n)
 
 
 def test_greedy_and_mixed_rows():
-    sampler = Sampler()
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
-    out = sampler.sample(logits, [SamplingParams(temperature=0),
-                                  SamplingParams(temperature=1.0, top_k=1)], ["a", "b"])
+    out = sample(logits, [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=1)])
     assert out.tolist() == [1, 0]
 
 
@@ -44,9 +49,8 @@ def test_temperature_one_follows_the_distribution():
 
 
 def test_seed_reproduces_and_differs():
-    def run(seed: int) -> list[int]:
-        sampler = Sampler()
-        return [sampler.sample(LOGITS, [SamplingParams(seed=seed)], ["x"]).item() for _ in range(40)]
+    def run(seed: int) -> list[int]:  # the tokens of positions 0..39 of a seeded request
+        return sample(LOGITS.repeat(40, 1), [SamplingParams(seed=seed)] * 40, list(range(40))).tolist()
     assert run(3) == run(3)
     assert run(3) != run(4)
 

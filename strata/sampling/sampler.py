@@ -1,12 +1,9 @@
-"""Sampler: one token per row of logits, each row with its own request's parameters.
+"""Sampling: the processed distribution of a row of logits under its request's
+parameters (temperature, top-k, top-p, min-p), and the per-request generators.
 
-Greedy rows take the argmax. Other rows apply temperature, top-k, top-p and min-p, then
-draw with the exponential-race trick (argmax of p / Exp(1) noise), which lets a seeded
-request draw its noise from its own generator. The only host read is the caller's.
-
-`processed_probs` is that same processing as a distribution; the Verifier's rejection
-sampling uses it, so sampling with and without drafts draws from one distribution. The
-Sampler owns the per-request generators, which the Verifier shares.
+The Verifier draws every token from `processed_probs` (with the exponential-race trick:
+argmax of p / Exp(1) noise), with drafts or without, so there is one sampling path. The
+`Sampler` keeps the generators of seeded requests whose drafts carry distributions.
 """
 
 from __future__ import annotations
@@ -23,23 +20,6 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               request_ids: list[str]) -> torch.Tensor:
-        """logits: [S, V] float -> [S] token ids (on the logits' device)."""
-        logits = logits.float()
-        greedy = logits.argmax(dim=-1)
-        if all(p.greedy for p in params):
-            return greedy
-        device = logits.device
-        probs = _truncated_probs(logits, params)  # [S, V], not renormalised
-        noise = torch.empty_like(probs).exponential_()
-        for row, (p, rid) in enumerate(zip(params, request_ids)):
-            if p.seed is not None and not p.greedy:
-                noise[row].exponential_(generator=self.generator(rid, p.seed, device))
-        sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = _to_device([p.greedy for p in params], torch.bool, device)
-        return torch.where(is_greedy, greedy, sampled)
-
     def generator(self, request_id: str, seed: int, device: torch.device) -> torch.Generator:
         """The request's own generator, seeded once on first use and kept until `forget`."""
         gen = self._generators.get(request_id)
@@ -53,7 +33,7 @@ class Sampler:
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """logits: [R, V] -> [R, V] float32 probabilities, row r processed with params[r].
 
-    Temperature, top-k, top-p and min-p as `Sampler.sample` applies them, renormalised.
+    Temperature, top-k, top-p and min-p, renormalised.
     A greedy row (temperature 0) is the one-hot of its argmax.
     """
     logits = logits.float()

@@ -13,6 +13,8 @@ probability falls below `--spec-min-p` or the chain reaches `--spec`. Drafts are
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -72,7 +74,7 @@ class MTPDrafter:
         Returns (tokens, probabilities) per sampling entry, in entry order."""
         device = hidden.device
         rows, tokens, positions, lens = [], [], [], []
-        last_rows, sampling = [], []
+        sampling = []
         produced = iter(results)
         offset = 0
         window_tokens = window.token_ids.tolist()
@@ -92,31 +94,30 @@ class MTPDrafter:
             positions += range(start + 1, start + 1 + keep)
             lens.append(keep)
             if sample:
-                sampling.append(len(lens) - 1)
-                last_rows.append(sum(lens) - 1 if keep else -1)
+                sampling.append(e)
             offset += count
-        alive = [i for i, r in zip(sampling, last_rows) if r >= 0]
+        alive = [i for i in sampling if lens[i] > 0]
         drafts: dict[int, tuple[list[int], list[float]]] = {i: ([], []) for i in sampling}
         if not rows:
             return [drafts[i] for i in sampling]
+        ends = list(itertools.accumulate(lens))  # ends[e] - 1: entry e's last MTP row
         entries = [i for i, n in enumerate(lens) if n]
         out = self._run(torch.tensor(tokens), hidden[torch.tensor(rows, device=device)],
                         positions, [lens[i] for i in entries], window, entries)
-        ends = torch.tensor([sum(lens[:i + 1]) - 1 for i in alive], device=device)
-        h = out[ends]                                                   # [A, hidden]
-        pos = [positions[sum(lens[:i + 1]) - 1] for i in alive]
+        last = [ends[i] - 1 for i in alive]
+        h = out[torch.tensor(last, device=device)]                        # [A, hidden]
+        pos = [positions[r] for r in last]
         for _ in range(self.max_drafts):
             probs = torch.softmax(self.head.lm_head(h).float(), dim=-1)
             best, token = probs.max(dim=-1)
             best_l, token_l = best.tolist(), token.tolist()  # NOTE: one host read per step
-            keep = [j for j, (p, i) in enumerate(zip(best_l, alive))
+            keep = [j for j, p in enumerate(best_l)
                     if p >= self.min_p and pos[j] + 1 < self.max_context]
-            for j, i in enumerate(alive):
-                if j in keep:
-                    drafts[i][0].append(token_l[j])
-                    drafts[i][1].append(best_l[j])
+            for j in keep:
+                drafts[alive[j]][0].append(token_l[j])
+                drafts[alive[j]][1].append(best_l[j])
             if not keep or len(drafts[alive[keep[0]]][0]) >= self.max_drafts:
-                break
+                break  # every chain has the same length: one check tells
             alive = [alive[j] for j in keep]
             index = torch.tensor(keep, device=device)
             pos = [pos[j] + 1 for j in keep]
