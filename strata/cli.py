@@ -36,7 +36,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls, defaults: dict | None
                                 help=f.metadata["help"])
             continue
         else:
-            parse = {"int": int, "int | None": int, "float": float}.get(f.type, str)
+            parse = {"int": int, "int | None": int, "float": float, "float | None": float}.get(
+                f.type, str)
         parser.add_argument(flag, type=parse, default=default, help=f.metadata["help"])
 
 

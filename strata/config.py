@@ -52,6 +52,9 @@ class EngineConfig:
     spec_token_cost: float = field(default=0.05, metadata=_opt(
         "cost of one more token in a window, as a fraction of a one-token window; a draft "
         "token is sent only while its expected acceptance exceeds it"))
+    simulate_acceptance: float | None = field(default=None, metadata=_opt(
+        "speed studies only: every slot drafts --spec tokens every window and accepts each "
+        "with this probability (the text is meaningless; everything is labelled simulated)"))
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -69,6 +72,12 @@ class EngineConfig:
                               ": need 1 <= min <= max")
         if not 0 <= self.spec_min_p <= 1 or not 0 <= self.spec_token_cost < 1:
             raise StrataError("--spec-min-p must be in [0, 1] and --spec-token-cost in [0, 1)")
+        if self.simulate_acceptance is not None:
+            if not 0 <= self.simulate_acceptance <= 1:
+                raise StrataError(f"--simulate-acceptance {self.simulate_acceptance} must be "
+                                  "a probability in [0, 1]")
+            if self.spec == 0:
+                raise StrataError("--simulate-acceptance needs drafts: give --spec K > 0")
         if self.max_context is not None and self.max_context < 2:
             raise StrataError(f"--max-context must be at least 2 (got {self.max_context})")
         if not self.devices:

@@ -1,7 +1,8 @@
 """The coding-agent workloads Strata is measured on: prompts written for the project.
 
 - code: write a new Python module to a short spec;
-- edit: return a shipped source file in full with one method renamed (copy-heavy);
+- edit: return a shipped source file in full with one method renamed (copy-heavy; a ~2.4 KB
+  and a ~11 KB file);
 - prose: write a short story.
 """
 
@@ -10,7 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 FILES = Path(__file__).parent / "workloads"
-EDIT_FILES = {"small": ("inventory_small.py.txt", "low_stock", "parts_below_reorder_level")}
+EDIT_FILES = {  # --edit-file: (file, method to rename, new name); small models copy only the small one well
+    "small": ("inventory_small.py.txt", "low_stock", "parts_below_reorder_level"),
+    "large": ("scheduler_large.py.txt", "critical_path", "longest_dependency_chain"),
+}
 
 CODE = ("Write a Python module `ratelimit.py` with a class `TokenBucket(rate, capacity)` that "
         "has methods `allow(cost=1) -> bool` and `wait_time(cost=1) -> float`, using "

@@ -53,6 +53,7 @@ class ModelRunner:
                 stage.load(checkpoint, progress)
         self.sampler = Sampler()
         self.verifier = Verifier(self.sampler)
+        self.simulate_acceptance = config.simulate_acceptance
         last = self.stages[-1]
         self.mtp = (MTPDrafter(last.module.mtp, last.mtp_cache, config.spec, config.spec_min_p,
                                max_context) if last.mtp_cache is not None else None)
@@ -72,7 +73,10 @@ class ModelRunner:
         entries = [VerifyEntry(r.params, r.request_id, d.tokens if d is not None else [],
                                position=r.num_tokens)
                    for r, d, s in zip(window.requests, window.drafts, window.samples) if s]
-        results = self.verifier.verify(logits, entries) if entries else []  # NOTE: host sync
+        if self.simulate_acceptance is not None:
+            results = self.verifier.simulate(logits, entries, self.simulate_acceptance)
+        else:
+            results = self.verifier.verify(logits, entries) if entries else []  # NOTE: host sync
         if self.mtp is None:
             return results, None
         following = [None if s else r.token_ids[p + n] if p + n < r.num_tokens else None

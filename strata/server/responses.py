@@ -50,7 +50,8 @@ async def text_stream(handle: RequestHandle, engine: AsyncEngine, stop) -> Async
         if finish is None or detok.stopped:  # client gone, or a stop string ended it early
             engine.abort(handle.request_id)
         seconds = time.perf_counter() - (first or start)
-        accepted = (f" drafts={drafts['accepted']}/{drafts['drafted']}"
+        accepted = (f" {'SIMULATED ' if drafts.get('simulated') else ''}"
+                    f"drafts={drafts['accepted']}/{drafts['drafted']}"
                     if drafts and drafts["drafted"] else "")
         log.info("%s prompt=%d completion=%d %.1f tok/s%s finish=%s", handle.request_id,
                  handle.prompt_tokens, tokens, (tokens - 1) / seconds if tokens > 1 else 0.0,

@@ -79,6 +79,8 @@ class DraftPolicy:
                 best_gain = gain
         return best
 
+    simulated = False
+
     def record(self, request: Request, draft: Draft, accepted: int) -> None:
         """Update the request's running acceptance and its statistics."""
         key = (request.request_id, draft.proposer)
@@ -86,5 +88,33 @@ class DraftPolicy:
         expected = sum(draft.scores) or 1.0
         observed = min(accepted / expected, MAX_RATE)
         self._acceptance[key] = max(MIN_RATE, (1 - EMA) * rate + EMA * observed)
+        request.draft_stats.record(draft.proposer, len(draft.tokens), accepted)
+        self.stats.record(draft.proposer, len(draft.tokens), accepted)
+
+
+class SimulatedPolicy(DraftPolicy):
+    """`--simulate-acceptance P`: every decoding slot carries `--spec` draft tokens in every
+    window (copies of its last token); the verifier accepts each with probability P.
+    For speed studies on random-weight models, whose own drafts never match."""
+
+    simulated = True
+
+    def __init__(self, max_tokens: int, probability: float):
+        super().__init__([], max_tokens, max_tokens, 0.0)
+        self.probability = probability
+        self.stats.simulated = True
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_tokens > 0
+
+    def draft(self, request: Request, room: int) -> Draft | None:
+        length = min(room, self.max_tokens)
+        if length <= 0:
+            return None
+        return Draft([request.token_ids[-1]] * length, [1.0] * length, "simulated")
+
+    def record(self, request: Request, draft: Draft, accepted: int) -> None:
+        request.draft_stats.simulated = True
         request.draft_stats.record(draft.proposer, len(draft.tokens), accepted)
         self.stats.record(draft.proposer, len(draft.tokens), accepted)

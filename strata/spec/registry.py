@@ -8,7 +8,7 @@ from collections.abc import Callable
 from strata.config import EngineConfig
 from strata.errors import StrataError
 from strata.models.config import ModelConfig
-from strata.spec.policy import DraftPolicy
+from strata.spec.policy import DraftPolicy, SimulatedPolicy
 
 
 def _suffix(config: EngineConfig):
@@ -43,6 +43,8 @@ def supported(model: ModelConfig) -> list[str]:
 def build_policy(config: EngineConfig, model: ModelConfig) -> DraftPolicy | None:
     if config.spec == 0:
         return None
+    if config.simulate_acceptance is not None:
+        return SimulatedPolicy(config.spec, config.simulate_acceptance)
     names = list(config.spec_type) or supported(model)
     for name in names:
         if name not in supported(model):

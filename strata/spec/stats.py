@@ -24,6 +24,7 @@ class ProposerStats:
 @dataclass
 class DraftStats:
     by_proposer: dict[str, ProposerStats] = field(default_factory=dict)
+    simulated: bool = False  # --simulate-acceptance: the acceptance is drawn, not measured
 
     def record(self, proposer: str, drafted: int, accepted: int) -> None:
         s = self.by_proposer.setdefault(proposer, ProposerStats())
@@ -45,7 +46,7 @@ class DraftStats:
 
     def as_dict(self) -> dict:
         """JSON-ready summary (the server's usage extension)."""
-        return {"drafted": self.drafted, "accepted": self.accepted,
+        return {"simulated": self.simulated, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": round(self.acceptance, 4),
                 "by_proposer": {name: {"windows": s.windows, "drafted": s.drafted,
                                        "accepted": s.accepted,
@@ -58,5 +59,6 @@ class DraftStats:
             return "no drafts"
         parts = [f"{name} {s.accepted}/{s.drafted} ({s.mean_accepted:.1f}/window)"
                  for name, s in self.by_proposer.items()]
-        return f"drafts accepted {self.accepted}/{self.drafted} ({self.acceptance:.0%}): " + \
+        label = "SIMULATED drafts" if self.simulated else "drafts"
+        return f"{label} accepted {self.accepted}/{self.drafted} ({self.acceptance:.0%}): " + \
             ", ".join(parts)

@@ -79,6 +79,22 @@ class Verifier:
         counts, tokens = torch.stack([accepted, token]).tolist()  # NOTE: the one host read
         return [e.draft[:a] + [t] for e, a, t in zip(entries, counts, tokens)]
 
+    def simulate(self, logits: torch.Tensor, entries: list[VerifyEntry],
+                 probability: float) -> list[list[int]]:
+        """`--simulate-acceptance`: each draft is accepted with `probability` regardless of
+        the model (a leading run of successes); the next token is the model's own draw at
+        the row after the accepted ones."""
+        if not entries:
+            return []
+        layout = _Layout(entries, logits.device)
+        row_params = [e.params for e in entries for _ in range(len(e.draft) + 1)]
+        probs = processed_probs(logits, row_params)
+        draws = (probs / torch.empty_like(probs).exponential_().clamp_min(_TINY)).argmax(-1)
+        success = torch.rand(len(entries), layout.K, device=logits.device) < probability
+        accepted = (success & layout.valid).long().cumprod(dim=1).sum(dim=1)
+        counts, tokens = torch.stack([accepted, draws[layout.starts + accepted]]).tolist()
+        return [e.draft[:a] + [t] for e, a, t in zip(entries, counts, tokens)]
+
     def _sample_sub(self, logits: torch.Tensor, entries: list[VerifyEntry]):
         layout = _Layout(entries, logits.device)
         if all(e.draft_probs is None for e in entries):
