@@ -103,6 +103,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(engine_config(args), config_from_args(ServerConfig, args))
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from strata.bench.config import bench_config
+    from strata.bench.harness import run
+
+    run(bench_config(args.arm, args.url, args.name, args.api_key, args.workloads,
+                     edit_file=args.edit_file, users=args.users, max_tokens=args.max_tokens,
+                     timeout=args.timeout, start_timeout=args.start_timeout, out=args.out,
+                     record=args.record, plot=args.plot))
+    return 0
+
+
+def add_bench_flags(parser: argparse.ArgumentParser) -> None:
+    from strata.bench.workloads import EDIT_FILES, WORKLOADS
+
+    parser.add_argument("--arm", action="append", default=[], metavar='NAME="FLAGS"',
+                        help="a fresh `strata serve FLAGS` measured as NAME (repeatable)")
+    parser.add_argument("--url", help="measure an existing OpenAI-compatible server, "
+                        "e.g. http://127.0.0.1:8000/v1")
+    parser.add_argument("--name", help="the --url arm's name (default: the URL)")
+    parser.add_argument("--api-key", help="the --url server's API key")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma-separated, from {', '.join(WORKLOADS)} (default all)")
+    parser.add_argument("--edit-file", default="small",
+                        help=f"the edit workload's file: {', '.join(EDIT_FILES)} (default small)")
+    parser.add_argument("--users", type=int, default=4,
+                        help="concurrent requests of the N-users measurement (default 4)")
+    parser.add_argument("--max-tokens", type=int, default=900,
+                        help="max_tokens of every request (default 900)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds one request may take (default 600)")
+    parser.add_argument("--start-timeout", type=float, default=900.0,
+                        help="seconds a started server may take to answer /health 200 "
+                        "(default 900)")
+    parser.add_argument("--out", default="bench-results.json",
+                        help="raw results as JSON (default bench-results.json)")
+    parser.add_argument("--record", action="store_true",
+                        help="append a summary line to benchmarks/results.jsonl")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the numbers (needs matplotlib)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -119,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(srv, ServerConfig)
     add_engine_flags(srv, defaults={"parallel": 4})
     srv.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="measure servers on the coding-agent workloads "
+                           "(1 user and N users)")
+    add_bench_flags(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -45,6 +45,9 @@ class EngineConfig:
         list_of=str))
     spec_suffix_max: int = field(default=32, metadata=_opt(
         "most draft tokens of a confident suffix-tree match"))
+    spec_suffix_global: int = field(default=100_000, metadata=_opt(
+        "tokens of recently finished outputs the suffix proposer drafts from (0: none; "
+        "benchmarks use 0 so that requests do not draft from each other's answers)"))
     lookup_min: int = field(default=2, metadata=_opt("shortest n-gram the lookup proposer matches"))
     lookup_max: int = field(default=4, metadata=_opt("longest n-gram the lookup proposer matches"))
     spec_min_p: float = field(default=0.3, metadata=_opt(
@@ -65,8 +68,8 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise StrataError(f"--{name.replace('_', '-')} must be at least 1 "
                                   f"(got {getattr(self, name)})")
-        if self.spec < 0 or self.spec_suffix_max < 0:
-            raise StrataError("--spec and --spec-suffix-max must be >= 0")
+        if self.spec < 0 or self.spec_suffix_max < 0 or self.spec_suffix_global < 0:
+            raise StrataError("--spec, --spec-suffix-max and --spec-suffix-global must be >= 0")
         if not 1 <= self.lookup_min <= self.lookup_max:
             raise StrataError(f"--lookup-min {self.lookup_min} and --lookup-max {self.lookup_max}"
                               ": need 1 <= min <= max")

@@ -13,10 +13,10 @@ from strata.spec.policy import DraftPolicy, SimulatedPolicy
 
 def _suffix(config: EngineConfig):
     from strata.spec.suffix_tree import SuffixProposer
-    # NOTE: depth 32 and a 100k-token global tree keep the tree's memory (nodes per token
-    # of repetitive output) and the cost of adding a finished output bounded.
+    # NOTE: depth 32 keeps the tree's memory (nodes per token of repetitive output) and the
+    # cost of adding a finished output to the global tree bounded.
     return SuffixProposer(max_draft=max(config.spec_suffix_max, config.spec), max_depth=32,
-                          global_max_tokens=100_000)
+                          global_max_tokens=config.spec_suffix_global)
 
 
 def _lookup(config: EngineConfig):

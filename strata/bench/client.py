@@ -1,0 +1,105 @@
+"""The requests of the protocol, sent with the official `openai` client so that any
+OpenAI-compatible server is measured the same way: one streamed chat completion
+(`measure`), two sequential ones (`solo`), N at once (`concurrent`).
+
+A request's decode rate is (completion tokens - 1) / (last content chunk - first content
+chunk): the first token belongs to the prefill, as in the server's log line."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from strata.bench.workloads import workload
+from strata.errors import StrataError
+
+
+def prompt(name: str, edit_file: str) -> str:
+    """The workload's user message behind a fresh random tag: no prefix is ever reused."""
+    return f"[{secrets.token_hex(4)}] " + workload(name, edit_file)
+
+
+def measure(client, model: str, text: str, max_tokens: int) -> dict:
+    """One streamed request: completion tokens, decode rate, wall and first-token time, and
+    the server's draft statistics (`usage.drafts`, a Strata extension; None elsewhere)."""
+    start = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": text}], temperature=0,
+        max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
+        extra_body={"reasoning_effort": "none"})
+    first = last = None
+    usage = None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            last = time.perf_counter()
+            first = first or last
+        if chunk.usage is not None:
+            usage = chunk.usage
+    wall = time.perf_counter() - start
+    if usage is None:
+        raise StrataError("the server sent no usage chunk although the request asked for "
+                          "stream_options.include_usage; its token counts are unknown")
+    tokens = usage.completion_tokens
+    decode_s = (last - first) if first is not None else 0.0
+    drafts = (usage.model_extra or {}).get("drafts")
+    return {"completion_tokens": tokens,
+            "decode_tok_s": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None,
+            "wall_s": wall, "first_token_s": (first - start) if first is not None else None,
+            "drafts": drafts}
+
+
+def mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def draft_totals(requests: list[dict]) -> dict | None:
+    """Drafted and accepted tokens summed over requests; None if the server reports none."""
+    stats = [r["drafts"] for r in requests if r["drafts"] is not None]
+    if not stats:
+        return None
+    drafted = sum(d.get("drafted", 0) for d in stats)
+    accepted = sum(d.get("accepted", 0) for d in stats)
+    return {"drafted": drafted, "accepted": accepted,
+            "acceptance": accepted / drafted if drafted else None,
+            "simulated": any(d.get("simulated", False) for d in stats)}
+
+
+def solo(client, model: str, name: str, edit_file: str, max_tokens: int) -> dict:
+    """1 user: two sequential requests; the mean of their decode rates."""
+    requests = [measure(client, model, prompt(name, edit_file), max_tokens) for _ in range(2)]
+    return {"requests": requests, "decode_tok_s": mean([r["decode_tok_s"] for r in requests]),
+            "drafts": draft_totals(requests)}
+
+
+def concurrent(client, model: str, name: str, edit_file: str, max_tokens: int,
+               users: int) -> dict:
+    """N users: N requests at once; total completion tokens over the batch's wall time,
+    and each stream's own decode rate."""
+    texts = [prompt(name, edit_file) for _ in range(users)]
+    ready = threading.Barrier(users + 1)
+
+    def one(text: str) -> dict:
+        ready.wait()
+        return measure(client, model, text, max_tokens)
+
+    pool = ThreadPoolExecutor(users)
+    try:
+        futures = [pool.submit(one, text) for text in texts]
+        ready.wait()  # NOTE: the clock starts when every thread is about to send
+        start = time.perf_counter()
+        requests = [f.result() for f in futures]
+        wall = time.perf_counter() - start
+    finally:
+        # NOTE: no waiting on an error or Ctrl-C: the streams end when the server is stopped.
+        ready.abort()  # frees threads still at the barrier if the main thread never got there
+        pool.shutdown(wait=False, cancel_futures=True)
+    rates = [r["decode_tok_s"] for r in requests if r["decode_tok_s"] is not None]
+    tokens = sum(r["completion_tokens"] for r in requests)
+    return {"users": users, "requests": requests, "wall_s": wall, "completion_tokens": tokens,
+            "total_tok_s": tokens / wall,
+            "stream_tok_s_min": min(rates) if rates else None,
+            "stream_tok_s_max": max(rates) if rates else None,
+            "drafts": draft_totals(requests)}

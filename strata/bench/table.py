@@ -1,0 +1,53 @@
+"""The two tables `strata bench` prints, built from its raw results: speed (1 user and N
+users per workload, one row per arm) and draft acceptance on the solo path. The numbers
+are rounded here and only here, so the printed table and the JSON agree."""
+
+from __future__ import annotations
+
+from strata.bench.report import markdown_table
+
+
+def rate(value: float | None) -> str:
+    """tok/s as printed: whole numbers from 10 up, one decimal below; '-' if unknown."""
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
+def label(arm: dict) -> str:
+    return arm["name"] + (" (simulated)" if arm["simulated"] else "")
+
+
+def speed_cell(result: dict) -> str:
+    text = rate(result["solo"]["decode_tok_s"])
+    many = result.get("concurrent")
+    if many is not None:
+        text += (f" / {rate(many['total_tok_s'])} ({rate(many['stream_tok_s_min'])}-"
+                 f"{rate(many['stream_tok_s_max'])} each)")
+    return text
+
+
+def speed_table(results: dict) -> str:
+    """| tok/s | code: 1 user / 4 users | ... | with '139 / 209 (56-62 each)' cells."""
+    settings = results["settings"]
+    users = settings["users"]
+    columns = [f"{w}: 1 user" + (f" / {users} users" if users > 1 else "")
+               for w in settings["workloads"]]
+    rows = [[label(arm)] + [speed_cell(arm["workloads"][w]) for w in settings["workloads"]]
+            for arm in results["arms"]]
+    return markdown_table(["tok/s", *columns], rows)
+
+
+def acceptance_cell(drafts: dict | None) -> str:
+    if not drafts or not drafts["drafted"]:
+        return "-"
+    return f"{drafts['acceptance']:.0%} ({drafts['accepted']}/{drafts['drafted']})"
+
+
+def acceptance_table(results: dict) -> str:
+    """Accepted / drafted tokens of the two solo requests; '-' where no drafts were
+    reported (drafting off, or a server without Strata's usage.drafts)."""
+    workloads = results["settings"]["workloads"]
+    rows = [[label(arm)] + [acceptance_cell(arm["workloads"][w]["solo"]["drafts"])
+                            for w in workloads] for arm in results["arms"]]
+    return markdown_table(["draft acceptance, 1 user", *workloads], rows)

@@ -1,0 +1,164 @@
+"""`strata bench` end to end in a subprocess on CPU: two started arms, tiny answers; the
+printed tables agree with the raw JSON, every arm and workload is there, and no server
+outlives the run. Bad flags end in one line and exit 2; `--plot` draws a PNG or names
+`pip install matplotlib`. Table labelling of simulated arms is checked without servers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from strata.bench.config import Arm, parse_arm
+from strata.bench.table import acceptance_table, speed_table
+from strata.errors import StrataError
+
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+NUMBER = r"(\d+(?:\.\d)?|-)"
+CELL = re.compile(rf"^{NUMBER} / {NUMBER} \({NUMBER}-{NUMBER} each\)$")
+
+
+def bench(*args: str, cwd, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "strata.cli", "bench", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def table(stdout: str, first_header: str) -> dict[str, list[str]]:
+    """{row label: cells} of the markdown table whose header starts with `first_header`."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |"))
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def agrees(text: str, value: float | None) -> bool:
+    """A printed rate is the JSON value rounded: whole from 10 up, one decimal below."""
+    if value is None:
+        return text == "-"
+    decimals = 0 if value >= 10 else 1
+    return text == f"{value:.{decimals}f}"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("bench")
+    plot = ["--plot", "speed.png"] if HAS_MATPLOTLIB else []
+    result = bench("--arm", "no drafts=--spec 0 --parallel 2", "--arm", "drafts=--parallel 2",
+                   "--workloads", "edit,prose", "--users", "2", "--max-tokens", "16",
+                   "--out", "tmp.json", *plot, cwd=cwd)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result, json.loads((cwd / "tmp.json").read_text()), cwd
+
+
+def test_speed_table_agrees_with_json(run):
+    result, raw, _ = run
+    rows = table(result.stdout, "tok/s")
+    assert list(rows) == ["no drafts", "drafts"] == [a["name"] for a in raw["arms"]]
+    assert raw["settings"]["workloads"] == ["edit", "prose"]
+    for arm in raw["arms"]:
+        assert set(arm["workloads"]) == {"edit", "prose"} and not arm["simulated"]
+        for cell, name in zip(rows[arm["name"]], ["edit", "prose"], strict=True):
+            solo, many = arm["workloads"][name]["solo"], arm["workloads"][name]["concurrent"]
+            match = CELL.match(cell)
+            assert match, cell
+            values = (solo["decode_tok_s"], many["total_tok_s"], many["stream_tok_s_min"],
+                      many["stream_tok_s_max"])
+            assert all(agrees(t, v) for t, v in zip(match.groups(), values, strict=True)), \
+                (cell, values)
+            assert len(solo["requests"]) == 2 and len(many["requests"]) == 2
+            assert 1 < sum(r["completion_tokens"] for r in many["requests"]) <= 32
+            assert many["total_tok_s"] == pytest.approx(many["completion_tokens"] / many["wall_s"])
+            assert solo["decode_tok_s"] == pytest.approx(
+                sum(r["decode_tok_s"] for r in solo["requests"]) / 2)
+
+
+def test_header_and_acceptance_table(run):
+    result, raw, _ = run
+    assert "| tok/s | edit: 1 user / 2 users | prose: 1 user / 2 users |" in result.stdout
+    assert f"commit: {raw['commit']}" in result.stdout and "machine: " in result.stdout
+    assert "arm no drafts: strata serve --spec 0 --parallel 2" in result.stdout
+    assert "simulated" not in result.stdout
+    rows = table(result.stdout, "draft acceptance, 1 user")
+    off, on = raw["arms"]
+    assert rows["no drafts"] == ["-", "-"]
+    assert all(off["workloads"][w]["solo"]["drafts"]["drafted"] == 0 for w in ("edit", "prose"))
+    assert on["workloads"]["edit"]["solo"]["drafts"]["drafted"] > 0  # the file is copied
+    for cell, name in zip(rows["drafts"], ["edit", "prose"], strict=True):
+        d = on["workloads"][name]["solo"]["drafts"]
+        assert cell == (f"{d['acceptance']:.0%} ({d['accepted']}/{d['drafted']})"
+                        if d["drafted"] else "-")
+
+
+def test_no_server_left_behind(run):
+    result, raw, _ = run
+    for arm in raw["arms"]:
+        log = open(arm["server_log"]).read()
+        port = re.search(r"on http://127\.0\.0\.1:(\d+)", log).group(1)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    assert "[2/2] drafts: prose, 2 users" in result.stderr  # the progress lines
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed")
+def test_plot_writes_png(run):
+    assert (run[2] / "speed.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(HAS_MATPLOTLIB, reason="matplotlib is installed")
+def test_plot_without_matplotlib_fails_before_serving(tmp_path):
+    result = bench("--arm", "a=", "--plot", "speed.png", cwd=tmp_path, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "pip install matplotlib" in result.stderr and not result.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    ([], "--arm"),
+    (["--arm", "no-equals-sign"], "NAME="),
+    (["--arm", "a=--spec 0", "--workloads", "edit,poetry"], "poetry"),
+    (["--arm", "a=", "--edit-file", "enormous"], "--edit-file"),
+    (["--arm", "a=--port 9000"], "--port"),
+    (["--arm", "a=", "--arm", "a=--spec 0"], "differ"),
+    (["--arm", "a=", "--users", "0"], "--users"),
+    (["--url", "127.0.0.1:8000"], "http"),
+])
+def test_bad_flags_one_line_exit_2(tmp_path, args, needle):
+    result = bench(*args, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.strip().count("\n") == 0
+    assert result.stderr.startswith("strata: error:") and needle in result.stderr
+    assert not (tmp_path / "bench-results.json").exists()
+
+
+def test_arm_flags():
+    arm = parse_arm("sim = --parallel 4 --simulate-acceptance 0.8 --api-key 'sk x'")
+    assert arm.name == "sim" and arm.simulated and arm.serve_api_key() == "sk x"
+    assert parse_arm("x=--simulate-acceptance=0.5").simulated
+    assert not parse_arm("plain=").simulated and parse_arm("plain=").argv == []
+    with pytest.raises(StrataError):
+        parse_arm("=--spec 0")
+
+
+def test_simulated_arm_is_labelled():
+    def arm(name: str, simulated: bool, drafts) -> dict:
+        w = {"solo": {"decode_tok_s": 139.4, "drafts": drafts},
+             "concurrent": {"total_tok_s": 209.0, "stream_tok_s_min": 56.2,
+                            "stream_tok_s_max": 61.6}}
+        return {"name": name, "simulated": simulated, "workloads": {"code": w}}
+    results = {"settings": {"workloads": ["code"], "users": 4},
+               "arms": [arm("real", False, None),
+                        arm("sim", Arm("sim", "--simulate-acceptance 0.9").simulated,
+                            {"drafted": 200, "accepted": 180, "acceptance": 0.9})]}
+    assert speed_table(results).splitlines()[2:] == [
+        "| real | 139 / 209 (56-62 each) |", "| sim (simulated) | 139 / 209 (56-62 each) |"]
+    assert acceptance_table(results).splitlines()[2:] == [
+        "| real | - |", "| sim (simulated) | 90% (180/200) |"]
