@@ -104,8 +104,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from strata.bench.config import bench_config
-    from strata.bench.harness import run
+    try:
+        from strata.bench.config import bench_config
+        from strata.bench.harness import run
+    except ImportError as e:
+        raise StrataError(f"strata bench needs {e.name}: pip install 'openai>=1.40' httpx "
+                          "(the project's [bench] extra)") from None
 
     run(bench_config(args.arm, args.url, args.name, args.api_key, args.workloads,
                      edit_file=args.edit_file, users=args.users, max_tokens=args.max_tokens,
