@@ -206,3 +206,40 @@ def test_draft_statistics_in_usage_and_metrics(client, server):
     assert set(drafts["by_proposer"]) <= {"suffix", "lookup"}
     assert metric(server[0], "strata_draft_accepted_tokens_total") >= drafts["accepted"]
     assert "drafts=" in server[2].read_text()
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--layer-split", "99"], "--layer-split"),
+    (["--devices", "cuda:0"], "cuda:0"),
+    (["--model", "/no/such.gguf"], "/no/such.gguf"),
+    (["--port", "0"], "--port"),
+])
+def test_serve_refuses_bad_settings_before_listening(flags, needle):
+    out = subprocess.run([sys.executable, "-m", "strata.cli", "serve", *flags],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert needle in out.stderr.strip().splitlines()[-1]
+
+
+def test_sigterm_stops_the_server_cleanly(tmp_path):
+    import signal
+
+    from server_utils import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline and proc.poll() is None
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    # uvicorn shuts down gracefully, then re-raises the signal: exit status -SIGTERM.
+    assert proc.wait(timeout=20) in (0, -signal.SIGTERM)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)

@@ -8,6 +8,7 @@ import socket
 import sys
 
 from strata.config import EngineConfig
+from strata.engine.runner import check_device
 from strata.errors import StrataError
 from strata.server.async_engine import AsyncEngine
 from strata.server.config import ServerConfig
@@ -37,7 +38,10 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
                         stream=sys.stderr)
-    checkpoint = open_checkpoint(engine_config.model)  # bad files fail here, before listening
+    # Bad files, splits and devices fail here, with one line, before the server listens.
+    checkpoint = open_checkpoint(engine_config.model)
+    for stage in range(len(engine_config.stage_ranges(checkpoint.config.num_layers))):
+        check_device(engine_config.stage_device(stage))
     check_port_free(server_config.host, server_config.port)
     name = server_config.served_model_name or model_name(checkpoint)
     metrics = Metrics()
