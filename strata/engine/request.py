@@ -4,7 +4,6 @@ no text lives here."""
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -29,8 +28,6 @@ class Request:
     token_ids: list[int] = field(init=False)  # prompt then output
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None          # "stop", "length", "abort"
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
     draft_stats: DraftStats = field(default_factory=DraftStats)
 
     def __post_init__(self) -> None:
@@ -58,8 +55,6 @@ class Request:
 
     def append(self, token: int, max_context: int) -> None:
         """Add one generated token and finish the request if it should stop."""
-        if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
         self.token_ids.append(token)
         p = self.params
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:

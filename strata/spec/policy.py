@@ -79,8 +79,6 @@ class DraftPolicy:
                 best_gain = gain
         return best
 
-    simulated = False
-
     def record(self, request: Request, draft: Draft, accepted: int) -> None:
         """Update the request's running acceptance and its statistics."""
         key = (request.request_id, draft.proposer)
@@ -96,8 +94,6 @@ class SimulatedPolicy(DraftPolicy):
     """`--simulate-acceptance P`: every decoding slot carries `--spec` draft tokens in every
     window (copies of its last token); the verifier accepts each with probability P.
     For speed studies on random-weight models, whose own drafts never match."""
-
-    simulated = True
 
     def __init__(self, max_tokens: int, probability: float):
         super().__init__([], max_tokens, max_tokens, 0.0)

@@ -58,10 +58,8 @@ class Verifier:
             return []
         layout = _Layout(entries, logits.device)
         sampled = [i for i, e in enumerate(entries) if not e.params.greedy]
-        if len(sampled) == len(entries) and all(e.draft_probs is None for e in entries):
-            accepted, token = self._sample_and_match(logits, entries, layout)
-        elif len(sampled) == len(entries):
-            accepted, token = self._rejection_sample(logits, entries, layout)
+        if len(sampled) == len(entries):
+            accepted, token = self._sample_sub(logits, entries, layout)
         else:
             top = logits.argmax(dim=-1)                                  # [R]
             match = (top[layout.rows] == layout.drafts) & layout.valid   # [N, K]
@@ -73,7 +71,8 @@ class Verifier:
                         for j in range(len(entries[i].draft) + 1)]
                 index = torch.tensor(sampled).to(logits.device, non_blocking=True)
                 sub_logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
-                sub_accepted, sub_token = self._sample_sub(sub_logits, sub)
+                sub_accepted, sub_token = self._sample_sub(sub_logits, sub,
+                                                           _Layout(sub, logits.device))
                 accepted = accepted.index_copy(0, index, sub_accepted)
                 token = token.index_copy(0, index, sub_token)
         counts, tokens = torch.stack([accepted, token]).tolist()  # NOTE: the one host read
@@ -87,16 +86,14 @@ class Verifier:
         if not entries:
             return []
         layout = _Layout(entries, logits.device)
-        row_params = [e.params for e in entries for _ in range(len(e.draft) + 1)]
-        probs = processed_probs(logits, row_params)
-        draws = (probs / torch.empty_like(probs).exponential_().clamp_min(_TINY)).argmax(-1)
+        draws = self._draws(logits, entries)
         success = torch.rand(len(entries), layout.K, device=logits.device) < probability
         accepted = (success & layout.valid).long().cumprod(dim=1).sum(dim=1)
         counts, tokens = torch.stack([accepted, draws[layout.starts + accepted]]).tolist()
         return [e.draft[:a] + [t] for e, a, t in zip(entries, counts, tokens)]
 
-    def _sample_sub(self, logits: torch.Tensor, entries: list[VerifyEntry]):
-        layout = _Layout(entries, logits.device)
+    def _sample_sub(self, logits: torch.Tensor, entries: list[VerifyEntry], layout: _Layout):
+        """Sampled entries: draw-and-match for point masses, else rejection sampling."""
         if all(e.draft_probs is None for e in entries):
             return self._sample_and_match(logits, entries, layout)
         return self._rejection_sample(logits, entries, layout)
@@ -104,6 +101,15 @@ class Verifier:
     def _sample_and_match(self, logits: torch.Tensor, entries: list[VerifyEntry],
                           layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
         """Point-mass drafts: one draw per row, drafts accepted while they equal the draws."""
+        draws = self._draws(logits, entries)                           # [R]
+        match = (draws[layout.rows] == layout.drafts) & layout.valid
+        accepted = match.long().cumprod(dim=1).sum(dim=1)            # [N]
+        return accepted, draws[layout.starts + accepted]
+
+    @staticmethod
+    def _draws(logits: torch.Tensor, entries: list[VerifyEntry]) -> torch.Tensor:
+        """One token per row from its processed distribution; a seeded request's row for
+        position t uses noise keyed by (seed, t)."""
         row_params = [e.params for e in entries for _ in range(len(e.draft) + 1)]
         probs = processed_probs(logits, row_params)                  # [R, V]
         noise = torch.empty_like(probs).exponential_()
@@ -114,10 +120,7 @@ class Verifier:
                     noise[row].exponential_(generator=position_generator(
                         e.params.seed, e.position + j, probs.device))
                 row += 1
-        draws = (probs / noise.clamp_min(_TINY)).argmax(dim=-1)     # [R]
-        match = (draws[layout.rows] == layout.drafts) & layout.valid
-        accepted = match.long().cumprod(dim=1).sum(dim=1)            # [N]
-        return accepted, draws[layout.starts + accepted]
+        return (probs / noise.clamp_min(_TINY)).argmax(dim=-1)      # [R]
 
     def _rejection_sample(self, logits: torch.Tensor, entries: list[VerifyEntry],
                           layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
