@@ -29,7 +29,9 @@ def add_config_flags(parser: argparse.ArgumentParser, cls, defaults: dict | None
         flag = "--" + f.name.replace("_", "-")
         default = defaults.get(f.name, f.default)
         kind = f.metadata.get("list_of")
-        if kind is not None:
+        if f.metadata.get("parse") is not None:
+            parse = f.metadata["parse"]
+        elif kind is not None:
             parse = _list_of(kind)
         elif f.type == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,

@@ -6,6 +6,7 @@ field's metadata), so a flag and its setting cannot drift apart.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,16 @@ def _opt(help: str, flag: str | None = None, **kw) -> dict:
     return {"help": help, "flag": flag, **kw}
 
 
+def auto_or_int(text: str) -> int | None:
+    """CLI values like `auto` (None) or a whole number."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is neither auto nor a whole number") from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = field(default=None, metadata=_opt(
@@ -27,6 +38,16 @@ class EngineConfig:
         "comma-separated devices, one per stage or one for all (cpu, cuda:0,cuda:1)", list_of=str))
     layer_split: tuple[int, ...] = field(default=(), metadata=_opt(
         "layer numbers where a new stage starts, e.g. 10,20 for three stages", list_of=int))
+    batch_groups: int | None = field(default=None, metadata=_opt(
+        "groups of slots pipelined through the stages, one window in flight each: auto (one "
+        "per stage, at most one per slot, with stage processes; 1 in one process) or N",
+        parse=auto_or_int))
+    stage_threads: int | None = field(default=None, metadata=_opt(
+        "CPU threads of each stage process: auto (this machine's cores shared out) or N",
+        parse=auto_or_int))
+    stage_timeout: float = field(default=20.0, metadata=_opt(
+        "seconds a window may take in the stage processes before they are declared hung "
+        "and in-flight requests fail"))
     dtype: str = field(default="auto", metadata=_opt(
         "weight and activation dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16, fp16"))
     kv: str = field(default="auto", metadata=_opt(
@@ -81,6 +102,13 @@ class EngineConfig:
                                   "a probability in [0, 1]")
             if self.spec == 0:
                 raise StrataError("--simulate-acceptance needs drafts: give --spec K > 0")
+        if self.batch_groups is not None and not 1 <= self.batch_groups <= self.parallel:
+            raise StrataError(f"--batch-groups {self.batch_groups}: need between 1 and "
+                              f"--parallel ({self.parallel}) groups, or auto")
+        if self.stage_threads is not None and self.stage_threads < 1:
+            raise StrataError(f"--stage-threads must be at least 1 (got {self.stage_threads})")
+        if self.stage_timeout <= 0:
+            raise StrataError(f"--stage-timeout must be positive (got {self.stage_timeout})")
         if self.max_context is not None and self.max_context < 2:
             raise StrataError(f"--max-context must be at least 2 (got {self.max_context})")
         if not self.devices:
@@ -108,6 +136,21 @@ class EngineConfig:
             raise StrataError(f"--devices lists {len(self.devices)} devices for {len(ranges)} "
                               "stages; give one device, or one per stage")
         return ranges
+
+    @property
+    def stage_processes(self) -> bool:
+        """One process per stage when a split lists a device per stage (cpu,cpu counts);
+        one device for every stage runs them all in this process."""
+        return bool(self.layer_split) and len(self.devices) > 1
+
+    def num_groups(self) -> int:
+        """--batch-groups, with auto resolved: one group per stage (at most one per slot)
+        with stage processes, else one."""
+        if self.batch_groups is not None:
+            return self.batch_groups
+        if not self.stage_processes:
+            return 1
+        return min(len(self.layer_split) + 1, self.parallel)
 
     def stage_device(self, stage: int) -> torch.device:
         return torch.device(self.devices[0] if len(self.devices) == 1 else self.devices[stage])

@@ -1,7 +1,9 @@
 """Engine: the loop that turns requests into tokens.
 
-`step()` asks the scheduler for a window, runs it through the stages, and commits the
-sampled tokens. Tokens in, tokens out: text, chat templates and stop strings belong to
+`step()` sends a window for every idle group with work (the scheduler picks them), then
+collects the oldest window's result and commits it. The runner is either the stages in
+this process (ModelRunner) or one process per stage (PipelineRunner); both return results
+in submission order. Tokens in, tokens out: text, chat templates and stop strings belong to
 the caller (see generator.py).
 """
 
@@ -33,11 +35,18 @@ class Engine:
         use_mtp = policy is not None and policy.mtp is not None
         self.scheduler = Scheduler(config.parallel, self.max_context, config.max_window_tokens,
                                    config.block_size, policy,
-                                   lookahead=1 + config.spec if use_mtp else 0)
+                                   lookahead=1 + config.spec if use_mtp else 0,
+                                   num_groups=config.num_groups())
         self.draft_stats = (self.scheduler.drafts.stats if self.scheduler.drafts is not None
                             else DraftStats())  # every request's drafts together
-        self.runner = ModelRunner(config, self.checkpoint, self.scheduler.pool.num_blocks,
-                                  self.max_context, mtp=use_mtp)
+        if config.stage_processes:
+            from strata.pipeline.runner import PipelineRunner
+            runner = PipelineRunner
+        else:
+            runner = ModelRunner
+        self.runner = runner(config, self.checkpoint, self.scheduler.pool.num_blocks,
+                             self.max_context, mtp=use_mtp)
+        self.stage_seconds = [0.0] * self.runner.num_stages  # compute time of each stage
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
@@ -70,7 +79,7 @@ class Engine:
     def abort(self, request_id: str) -> Request | None:
         request = self.scheduler.abort(request_id)
         if request is not None:
-            self.runner.sampler.forget(request_id)
+            self.runner.forget(request_id)
         return request
 
     @property
@@ -79,16 +88,24 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """Run one window; return the requests that received a token."""
-        window = self.scheduler.schedule()
-        if window is None:
+        """Send a window for each idle group with work, then commit the oldest window in
+        flight; return the requests that received tokens."""
+        while (window := self.scheduler.schedule()) is not None:
+            self.runner.submit(window)
+        if self.runner.num_in_flight == 0:
             return []
-        results, mtp_drafts = self.runner.execute(window)
-        updated = self.scheduler.commit(window, results, mtp_drafts)
+        window, result = self.runner.collect()
+        for stage, seconds in enumerate(result.stage_seconds):
+            self.stage_seconds[stage] += seconds
+        updated = self.scheduler.commit(window, result.tokens, result.mtp_drafts)
         for request in updated:
             if request.finished:
-                self.runner.sampler.forget(request.request_id)
+                self.runner.forget(request.request_id)
         return updated
+
+    def close(self) -> None:
+        """Stop the stage processes (if any); the engine cannot run afterwards."""
+        self.runner.close()
 
     @torch.inference_mode()
     def score(self, prompt_ids: list[int]) -> torch.Tensor:
@@ -96,15 +113,15 @@ class Engine:
         prompt through its windows like any request; the engine must be idle."""
         if self.has_work:
             raise RuntimeError("score() needs an idle engine")
-        request = self.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=1))
+        self.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=1))
         rows = []
         while self.has_work:
             window = self.scheduler.schedule()
-            window.logits_all = True
-            logits, _ = self.runner.forward(window)
-            rows.append(logits)
-            sampled = logits[window.logits_idx_of_samples()].argmax(-1)
-            self.scheduler.commit(window, [[t] for t in sampled.tolist()])
+            window.header.logits_all = True
+            self.runner.submit(window)
+            window, result = self.runner.collect()
+            rows.append(result.logits)
+            self.scheduler.commit(window, result.tokens)
         return torch.cat(rows)[:len(prompt_ids)]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

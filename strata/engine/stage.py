@@ -16,7 +16,7 @@ from strata.kvcache.cache import KVCache
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding
-from strata.models.registry import Architecture
+from strata.models.registry import Architecture, get_architecture
 
 
 class StageModule(nn.Module):
@@ -95,3 +95,11 @@ class Stage:
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         return self.module(x.to(self.device, non_blocking=True), meta, self.cache)
+
+
+def build_stage(config, model_config, index: int, num_blocks: int, mtp: bool = False) -> Stage:
+    """Stage `index` of the layer split in `config`, with empty (unloaded) weights."""
+    ranges = config.stage_ranges(model_config.num_layers)
+    return Stage(index, get_architecture(model_config), ranges[index], len(ranges),
+                 config.stage_device(index), config.torch_dtype(), config.kv_dtype(),
+                 num_blocks, config.block_size, mtp=mtp)

@@ -1,5 +1,9 @@
 """Scheduler: admits requests into slots, builds windows, commits results.
 
+Slots are split into groups (slot i belongs to group i % G); a window carries one group's
+slots, and each group has at most one window in flight, so up to G windows travel the
+stages at once. A new request takes a free slot of the group whose window is being built.
+
 There are no prefill and decode phases: each slot's `num_computed` chases its request's
 `num_tokens`. A window takes every decoding slot's last token, followed by that slot's
 drafts, then fills the rest of its token budget with prompt chunks. Drafts are ordinary
@@ -17,13 +21,17 @@ import torch
 from strata.engine.request import Request, RequestStatus
 from strata.kvcache.block_pool import BlockPool
 from strata.scheduler.slot import Slot
-from strata.scheduler.window import Window
+from strata.scheduler.window import Window, WindowHeader
 from strata.spec.policy import DraftPolicy
+from strata.spec.verifier import VerifyEntry
 
 
 class Scheduler:
     def __init__(self, num_slots: int, max_context: int, max_window_tokens: int,
-                 block_size: int, drafts: DraftPolicy | None = None, lookahead: int = 0):
+                 block_size: int, drafts: DraftPolicy | None = None, lookahead: int = 0,
+                 num_groups: int = 1):
+        if not 1 <= num_groups <= num_slots:
+            raise ValueError(f"{num_groups} groups for {num_slots} slots")
         blocks_per_slot = -(-max_context // block_size)
         # NOTE: every slot can always grow to max_context, so no request is ever preempted.
         self.pool = BlockPool(num_slots * blocks_per_slot, block_size)
@@ -32,6 +40,10 @@ class Scheduler:
         self.drafts = drafts if drafts is not None and drafts.enabled else None
         self.lookahead = lookahead  # positions past a window the MTP layer writes
         self.waiting: deque[Request] = deque()
+        self.num_groups = num_groups
+        self.groups = [self.slots[g::num_groups] for g in range(num_groups)]
+        self.in_flight: set[int] = set()  # groups whose window has not been committed yet
+        self._next_group = 0  # round robin over idle groups
 
     # -- requests -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -53,7 +65,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(not s.free for s in self.slots)
+        return (bool(self.waiting) or bool(self.in_flight)
+                or any(not s.free for s in self.slots))
 
     @property
     def num_running(self) -> int:
@@ -61,8 +74,22 @@ class Scheduler:
 
     # -- windows --------------------------------------------------------------------------
     def schedule(self) -> Window | None:
-        self._admit()
-        busy = [s for s in self.slots if s.num_pending > 0]
+        """The next window of an idle group with work (round robin), or None. The group
+        stays in flight until its window is committed."""
+        for i in range(self.num_groups):
+            group = (self._next_group + i) % self.num_groups
+            if group in self.in_flight:
+                continue
+            window = self._schedule_group(group)
+            if window is not None:
+                self._next_group = (group + 1) % self.num_groups
+                self.in_flight.add(group)
+                return window
+        return None
+
+    def _schedule_group(self, group: int) -> Window | None:
+        self._admit(self.groups[group])
+        busy = [s for s in self.groups[group] if s.num_pending > 0]
         busy.sort(key=lambda s: s.num_pending > 1)  # decoding slots first, then prompts
         budget = self.max_window_tokens
         entries: list[tuple[Slot, int]] = []
@@ -78,7 +105,7 @@ class Scheduler:
             budget -= count
         if not entries:
             return None
-        return self._build(entries)
+        return self._build(group, entries)
 
     def _room(self, slot: Slot, budget: int) -> int:
         """Most drafts a decoding slot may carry: within the window budget, the context,
@@ -89,8 +116,8 @@ class Scheduler:
             room = min(room, request.params.max_tokens - request.num_output_tokens - 1)
         return max(room, 0)
 
-    def _admit(self) -> None:
-        for slot in self.slots:
+    def _admit(self, slots: list[Slot]) -> None:
+        for slot in slots:
             if not self.waiting:
                 return
             if slot.free:
@@ -100,41 +127,53 @@ class Scheduler:
                 if self.drafts is not None:
                     self.drafts.admitted(request)
 
-    def _build(self, entries: list[tuple[Slot, int]]) -> Window:
+    def _build(self, group: int, entries: list[tuple[Slot, int]]) -> Window:
         tokens, positions, rows, tables = [], [], [], []
+        samples, verify, following = [], [], []
         for slot, count in entries:
-            start = slot.num_computed
+            request, start = slot.request, slot.num_computed
             slot.block_table.ensure(min(self.max_context, start + count + self.lookahead))
-            tokens.extend(slot.request.token_ids[start:start + count - slot.num_drafted])
+            end = start + count - slot.num_drafted  # end of the run's known tokens
+            tokens.extend(request.token_ids[start:end])
             if slot.draft is not None:
                 tokens.extend(slot.draft.tokens)
             positions.append(torch.arange(start, start + count))
             rows.append(slot.block_table.rows(start, start + count))
             tables.append(slot.block_table.blocks)
+            sample = end == request.num_tokens
+            samples.append(sample)
+            following.append(None if sample else request.token_ids[end])
+            if sample:
+                verify.append(VerifyEntry(request.params, request.request_id,
+                                          slot.draft.tokens if slot.draft else [],
+                                          position=request.num_tokens))
         width = max(len(t) for t in tables)
         block_tables = torch.zeros(len(tables), width, dtype=torch.long)
         for i, table in enumerate(tables):
             block_tables[i, :len(table)] = torch.tensor(table)
-        return Window(
-            group=0,
-            slots=[slot.index for slot, _ in entries],
-            requests=[slot.request for slot, _ in entries],
+        header = WindowHeader(
+            group=group,
             query_lens=[count for _, count in entries],
-            samples=[slot.num_computed + count - slot.num_drafted == slot.request.num_tokens
-                     for slot, count in entries],
-            drafts=[slot.draft for slot, _ in entries],
+            samples=samples,
+            num_drafts=[slot.num_drafted for slot, _ in entries],
             token_ids=torch.tensor(tokens, dtype=torch.long),
             positions=torch.cat(positions),
             slot_mapping=torch.cat(rows),
             block_tables=block_tables,
             block_size=self.pool.block_size,
+            verify=verify,
+            following=following,
         )
+        return Window(header, slots=[slot.index for slot, _ in entries],
+                      requests=[slot.request for slot, _ in entries],
+                      drafts=[slot.draft for slot, _ in entries])
 
     def commit(self, window: Window, results: list[list[int]],
                mtp_drafts: list[tuple[list[int], list[float]]] | None = None) -> list[Request]:
         """Advance counts by the window and append each sampling entry's tokens (accepted
         drafts plus one); keep the MTP drafts that came back for each sampling entry.
         Returns the requests that received tokens."""
+        self.in_flight.discard(window.group)
         produced = iter(results)
         mtp_produced = iter(mtp_drafts or [])
         updated = []

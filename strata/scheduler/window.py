@@ -1,7 +1,11 @@
 """Window: one forward unit for one group, built by the scheduler.
 
 For each entry (a slot) a run of tokens with explicit positions and cache rows. The
-stages execute it; only the scheduler interprets it."""
+part every stage needs travels as a WindowHeader (small: token ids, positions, cache rows,
+block tables, and for the last stage what the verifier needs); the Window keeps, beside its
+header, the scheduler's own references (slots, requests, drafts), which never leave the
+scheduler's process. Only the scheduler interprets a window; stages execute its header.
+"""
 
 from __future__ import annotations
 
@@ -12,22 +16,24 @@ import torch
 from strata.engine.request import Request
 from strata.layers.forward_meta import ForwardMeta
 from strata.spec.draft import Draft
+from strata.spec.verifier import VerifyEntry
 
 
 @dataclass
-class Window:
+class WindowHeader:
     group: int
-    slots: list[int]              # slot index of each entry
-    requests: list[Request]       # request of each entry
-    query_lens: list[int]         # tokens of each entry
-    samples: list[bool]           # does the entry end at its request's last token (+ drafts)
-    drafts: list[Draft | None]    # drafts the entry carries after its last known token
-    token_ids: torch.Tensor       # [T]
-    positions: torch.Tensor       # [T]
-    slot_mapping: torch.Tensor    # [T]
-    block_tables: torch.Tensor    # [B, max_blocks]
+    query_lens: list[int]          # tokens of each entry
+    samples: list[bool]            # does the entry end at its request's last token (+ drafts)
+    num_drafts: list[int]          # drafts each entry carries after its last known token
+    token_ids: torch.Tensor        # [T]
+    positions: torch.Tensor        # [T]
+    slot_mapping: torch.Tensor     # [T]
+    block_tables: torch.Tensor     # [B, max_blocks]
     block_size: int
-    logits_all: bool = False      # logits for every token (scoring), not only sampling entries
+    verify: list[VerifyEntry]      # one per sampling entry, in entry order
+    following: list[int | None]    # per entry: the known token after a non-sampling entry's run
+    logits_all: bool = False       # logits for every token (scoring), not only sampling entries
+    forget: list[str] = field(default_factory=list)  # finished requests: drop sampler state
     _metas: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -41,8 +47,7 @@ class Window:
 
     def num_rows(self, entry: int) -> int:
         """Logits rows of a sampling entry: its last known token and each draft."""
-        draft = self.drafts[entry]
-        return 1 + (len(draft.tokens) if draft is not None else 0)
+        return 1 + self.num_drafts[entry]
 
     def logits_idx_of_samples(self) -> torch.Tensor:
         """Rows of the window whose logits the verifier reads, entry by entry."""
@@ -65,3 +70,26 @@ class Window:
                 slot_mapping=self.slot_mapping, block_tables=self.block_tables,
                 block_size=self.block_size, logits_idx=self.logits_idx(), device=device)
         return self._metas[key]
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_metas"] = {}  # device tensors are rebuilt where the header lands
+        return state
+
+
+@dataclass
+class Window:
+    header: WindowHeader
+    slots: list[int]              # slot index of each entry
+    requests: list[Request]       # request of each entry
+    drafts: list[Draft | None]    # drafts the entry carries after its last known token
+
+    # NOTE: the header's fields read through the window (window.query_lens, ...).
+    def __getattr__(self, name: str):
+        if name == "header":
+            raise AttributeError(name)
+        return getattr(self.header, name)
+
+    @property
+    def group(self) -> int:
+        return self.header.group

@@ -22,7 +22,7 @@ from strata.kvcache.cache import KVCache
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.norm import RMSNorm
 from strata.models.registry import Architecture
-from strata.scheduler.window import Window
+from strata.scheduler.window import WindowHeader
 from strata.spec.draft import Draft
 
 
@@ -67,10 +67,10 @@ class MTPDrafter:
         self.max_drafts, self.min_p, self.max_context = max_drafts, min_p, max_context
 
     @torch.inference_mode()
-    def draft(self, window: Window, results: list[list[int]], hidden: torch.Tensor,
-              next_prompt_tokens: list[int | None]) -> list[tuple[list[int], list[float]]]:
+    def draft(self, window: WindowHeader, results: list[list[int]],
+              hidden: torch.Tensor) -> list[tuple[list[int], list[float]]]:
         """hidden: the main model's final-norm hidden states of every window row.
-        `next_prompt_tokens[e]` is the token after a non-sampling entry's last one.
+        `window.following[e]` is the token after a non-sampling entry's last one.
         Returns (tokens, probabilities) per sampling entry, in entry order."""
         device = hidden.device
         rows, tokens, positions, lens = [], [], [], []
@@ -86,7 +86,7 @@ class MTPDrafter:
                 committed = count - drafted + len(accepted) - 1
                 following = accepted[-1:]
             else:
-                committed, following = count, [next_prompt_tokens[e]]
+                committed, following = count, [window.following[e]]
             nexts = window_tokens[offset + 1: offset + committed] + following
             keep = min(committed, self.max_context - 1 - start)  # MTP writes position p + 1
             rows += range(offset, offset + keep)
@@ -125,7 +125,7 @@ class MTPDrafter:
         return [drafts[i] for i in sampling]
 
     def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: list[int],
-             lens: list[int], window: Window, entries: list[int]) -> torch.Tensor:
+             lens: list[int], window: WindowHeader, entries: list[int]) -> torch.Tensor:
         """One MTP forward: `lens[i]` rows for window entry `entries[i]`."""
         block_size = window.block_size
         tables = window.block_tables[torch.tensor(entries)]

@@ -1,0 +1,190 @@
+"""PipelineRunner: the engine's side of the stage processes.
+
+It starts one process per stage (or joins the stages torchrun started), publishes the
+plan, waits until every stage has loaded its layers, then sends each submitted window's
+header to every stage. A receiver thread takes results from the last stage in order.
+`collect` waits for the oldest window's result while watching the stages: a stage process
+that exits, or no result for --stage-timeout seconds, raises StageFailure within a
+fraction of a second of being noticed, and every stage process is stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+from collections import deque
+
+import torch.distributed as dist
+
+from strata.config import EngineConfig
+from strata.engine.results import WindowResult
+from strata.engine.runner import check_device
+from strata.errors import StrataError
+from strata.pipeline import rendezvous
+from strata.pipeline.transport import Pending, recv_object, send_object
+from strata.pipeline.worker import STOP, WINDOW, stage_process_main
+from strata.scheduler.window import Window
+
+log = logging.getLogger("strata.pipeline")
+
+POLL_SECONDS = 0.1
+AFTER_START = "in-flight requests failed and the engine stopped; restart it"
+
+
+class StageFailure(StrataError):
+    """A stage process died or hung; the engine cannot go on."""
+
+
+class PipelineRunner:
+    def __init__(self, config: EngineConfig, checkpoint, num_blocks: int, max_context: int,
+                 mtp: bool = False):
+        if dist.is_initialized():
+            raise StrataError("this process already runs stage processes (one pipelined "
+                              "engine per process); close the other engine first")
+        ranges = config.stage_ranges(checkpoint.config.num_layers)
+        devices = [config.stage_device(i) for i in range(len(ranges))]
+        for device in devices:
+            check_device(device)
+        nccl = all(d.type == "cuda" for d in devices) and len(set(map(str, devices))) == len(
+            devices)
+        self.plan = rendezvous.Plan(config, num_blocks, max_context, mtp, nccl)
+        self.num_stages = len(ranges)
+        self.timeout = config.stage_timeout
+        self.processes: list[multiprocessing.Process] = []
+        self.pending = Pending()
+        self.forgotten: list[str] = []
+        self.in_flight: deque[tuple[Window, float]] = deque()
+        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self.last_progress = time.monotonic()
+        self.closed = False
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- start ------------------------------------------------------------------------------
+    def _start(self) -> None:
+        rank = rendezvous.torchrun_rank()
+        if rank is None:
+            store = rendezvous.host_store()
+            address = rendezvous.Address("127.0.0.1", store.port, self.num_stages + 1)
+            context = multiprocessing.get_context("spawn")
+            for stage in range(self.num_stages):
+                process = context.Process(
+                    target=stage_process_main, name=f"strata-stage-{stage}", daemon=True,
+                    args=(address.host, address.port, address.world_size, stage + 1))
+                process.start()
+                self.processes.append(process)
+        else:
+            address = rendezvous.torchrun_address()
+            if address.world_size != self.num_stages + 1:
+                raise StrataError(f"torchrun started {address.world_size} processes but "
+                                  f"{self.num_stages} stages need {self.num_stages + 1} "
+                                  "(the server plus one per stage): set --nproc-per-node "
+                                  "(summed over nodes) to match")
+            store = rendezvous.connect_store(address)
+        rendezvous.publish_plan(store, self.plan)
+        self._wait_ready(store)
+        self.groups = rendezvous.join_groups(store, 0, self.plan)
+        self.receiver = threading.Thread(target=self._receive, name="strata-results",
+                                         daemon=True)
+        self.receiver.start()
+
+    def _wait_ready(self, store) -> None:
+        keys = rendezvous.strata_keys(store)
+        names = [rendezvous.ready_key(i) for i in range(self.num_stages)]
+        while not keys.check(names):
+            self._check_alive("it stopped while loading its layers (its error is above), so the "
+                                  "engine did not start")
+            time.sleep(POLL_SECONDS)
+        for stage, name in enumerate(names):
+            status = keys.get(name).decode()
+            if status != "ok":
+                raise StrataError(f"stage {stage} could not load: "
+                                  f"{status.removeprefix('error: ')}")
+
+    # -- windows ----------------------------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.in_flight)
+
+    def submit(self, window: Window) -> None:
+        if self.closed:
+            raise StageFailure("the stage processes have stopped; restart the engine")
+        header = window.header
+        header.forget, self.forgotten = self.forgotten, []
+        if not self.in_flight:
+            self.last_progress = time.monotonic()
+        for stage in range(self.num_stages):
+            send_object((WINDOW, header), stage + 1, self.pending)
+        self.in_flight.append((window, time.monotonic()))
+
+    def collect(self) -> tuple[Window, WindowResult]:
+        """The oldest window in flight and its result, in submission order."""
+        while True:
+            try:
+                result = self.results.get(timeout=POLL_SECONDS)
+                break
+            except queue.Empty:
+                self._check_alive(AFTER_START)
+                waited = time.monotonic() - self.last_progress
+                if waited > self.timeout:
+                    self._fail(f"no result from the stages for {waited:.0f} s "
+                               f"(--stage-timeout {self.timeout:g}): a stage is hung; "
+                               + AFTER_START)
+        if isinstance(result, Exception):
+            self._check_alive(AFTER_START)
+            self._fail(f"the connection to the last stage failed ({result}); " + AFTER_START)
+        self.last_progress = time.monotonic()
+        window, _ = self.in_flight.popleft()
+        return window, result
+
+    def forget(self, request_id: str) -> None:
+        self.forgotten.append(request_id)
+
+    def _receive(self) -> None:
+        try:
+            while True:
+                self.results.put(recv_object(self.num_stages, group=self.groups.results))
+        except Exception as e:  # noqa: BLE001 - handed to collect(), which fails the engine
+            self.results.put(e)
+
+    # -- faults and shutdown ----------------------------------------------------------------
+    def _check_alive(self, when: str) -> None:
+        for stage, process in enumerate(self.processes):
+            if not process.is_alive():
+                self._fail(f"stage {stage} (pid {process.pid}) exited with code "
+                           f"{process.exitcode}; {when}")
+
+    def _fail(self, message: str):
+        self.close(graceful=False)
+        raise StageFailure(message)
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop every stage process: ask them (graceful), then terminate, then kill.
+        Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if graceful and dist.is_initialized():
+            for stage in range(self.num_stages):
+                try:
+                    send_object((STOP, None), stage + 1, self.pending)
+                except Exception:  # noqa: BLE001 - that stage is gone already
+                    pass
+        deadline = time.monotonic() + (5 if graceful else 0)
+        for process in self.processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=1)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()

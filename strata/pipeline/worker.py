@@ -1,0 +1,130 @@
+"""A stage process: builds and loads its stage, then loops over windows.
+
+Each window: the header from rank 0, the hidden states from the previous stage (stage 0
+embeds the header's token ids), this stage's layers, then the hidden states on to the next
+stage, or, on the last stage, verification and MTP drafts and the result back to rank 0.
+Per window a small float64 vector carries every stage's compute seconds down the pipe.
+The stage decides nothing: the header says where every token goes. It exits when rank 0
+says stop, when any send or receive fails (a neighbour died), and when its parent dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from strata.engine.results import WindowVerifier
+from strata.engine.stage import build_stage
+from strata.pipeline import rendezvous
+from strata.pipeline.transport import HiddenLink, Pending, recv_object, send_object
+from strata.weights.checkpoint import open_checkpoint
+
+log = logging.getLogger("strata.stage")
+
+STOP = "stop"
+WINDOW = "window"
+
+
+def default_threads(num_stages: int) -> int:
+    return max(1, (os.cpu_count() or 1) // num_stages)
+
+
+def watch_parent(interval: float = 0.5) -> None:
+    """Exit at once if the process that started this one dies (no orphans, even after
+    the server was killed with SIGKILL)."""
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="strata-parent-watch", daemon=True).start()
+
+
+def run_stage(store: dist.Store, rank: int) -> None:
+    """The whole life of stage `rank - 1`: load, report ready (or the error), serve."""
+    plan = rendezvous.read_plan(store)
+    index, config = rank - 1, plan.config
+    keys = rendezvous.strata_keys(store)
+    try:
+        torch.set_num_threads(config.stage_threads or default_threads(plan.num_stages))
+        checkpoint = open_checkpoint(config.model)
+        stage = build_stage(config, checkpoint.config, index, plan.num_blocks, mtp=plan.mtp)
+        stage.load(checkpoint)
+        last = index == plan.num_stages - 1
+        verifier = WindowVerifier(stage, config, plan.max_context) if last else None
+    except Exception as e:  # noqa: BLE001 - the engine prints it and stops every stage
+        keys.set(rendezvous.ready_key(index), f"error: {e}")
+        return
+    keys.set(rendezvous.ready_key(index), "ok")
+    groups = rendezvous.join_groups(store, rank, plan)
+    loop = StageLoop(index, plan, stage, verifier, groups, checkpoint.config.hidden_size)
+    try:
+        loop.serve()
+    finally:
+        loop.pending.wait_all()
+        dist.destroy_process_group()
+
+
+class StageLoop:
+    def __init__(self, index: int, plan: rendezvous.Plan, stage, verifier, groups,
+                 hidden_size: int):
+        self.index, self.stage, self.verifier, self.groups = index, stage, verifier, groups
+        self.num_stages = plan.num_stages
+        self.rank = index + 1
+        self.first, self.last = index == 0, index == plan.num_stages - 1
+        self.link = HiddenLink(hidden_size, plan.config.torch_dtype(), stage.device,
+                               groups.hidden)
+        self.pending = Pending()
+        self.cuda = stage.device.type == "cuda"
+
+    def serve(self) -> None:
+        with torch.inference_mode():
+            while True:
+                kind, header = recv_object(0)
+                if kind == STOP:
+                    return
+                self.run(header)
+
+    def run(self, header) -> None:
+        if self.first:
+            x = header.token_ids
+            seconds = torch.zeros(self.num_stages, dtype=torch.float64)
+        else:
+            x = self.link.recv(header.num_tokens, self.rank - 1)
+            seconds = torch.empty(self.num_stages, dtype=torch.float64)
+            dist.recv(seconds, self.rank - 1)
+        start = time.perf_counter()
+        out = self.stage.forward(x, header.meta(self.stage.device))
+        if self.cuda:
+            torch.cuda.synchronize(self.stage.device)  # NOTE: so that seconds are compute
+        seconds[self.index] = time.perf_counter() - start
+        if not self.last:
+            self.link.send(out, self.rank + 1, self.pending)
+            self.pending.add(dist.isend(seconds, self.rank + 1), seconds)
+            return
+        logits, hidden = out
+        result = self.verifier.finish(header, logits, hidden)
+        result.stage_seconds = seconds.tolist()
+        send_object(result, 0, self.pending, group=self.groups.results)
+
+
+def stage_process_main(host: str, port: int, world_size: int, rank: int) -> None:
+    """Entry of a stage process started by the engine (multiprocessing, spawn)."""
+    watch_parent()
+    logging.basicConfig(level=logging.INFO, format=f"strata stage {rank - 1}: %(message)s")
+    store = rendezvous.connect_store(rendezvous.Address(host, port, world_size))
+    try:
+        run_stage(store, rank)
+    except Exception as e:  # noqa: BLE001 - a neighbour died or the engine went away
+        log.error("stopped: %s", e)
+        sys.stderr.flush()
+        os._exit(1)
