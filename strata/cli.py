@@ -83,12 +83,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = engine_config(args)
     params = sampling_params(args)
     llm = LLM(config)
-    prompt_ids = llm.encode_prompt(args.prompt, raw=args.raw)
-    start = time.perf_counter()
-    for piece in llm.stream(prompt_ids, params):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    try:
+        prompt_ids = llm.encode_prompt(args.prompt, raw=args.raw)
+        start = time.perf_counter()
+        for piece in llm.stream(prompt_ids, params):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    finally:
+        llm.close()
     if args.verbose:
         done = llm.last
         seconds = time.perf_counter() - start
@@ -176,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.func in (cmd_serve, cmd_generate):
+        from strata.pipeline.rendezvous import torchrun_address, torchrun_rank
+        rank = torchrun_rank()
+        if rank:  # torchrun started this process for a stage, not for the server
+            from strata.pipeline.worker import stage_process_main
+            address = torchrun_address()
+            stage_process_main(address.host, address.port, address.world_size, rank)
+            return 0
     try:
         return args.func(args)
     except StrataError as e:

@@ -58,6 +58,10 @@ class LLM:
         self.tokenizer: Tokenizer = self.engine.checkpoint.load_tokenizer()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | self.engine.eos_token_ids
 
+    def close(self) -> None:
+        """Stop the stage processes, if the engine runs any."""
+        self.engine.close()
+
     def encode_prompt(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
         """Token ids of a plain prompt (`raw`) or of chat messages through the template.
         A string that is not raw becomes one user message."""

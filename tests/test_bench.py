@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from strata.bench.config import Arm, parse_arm
-from strata.bench.table import acceptance_table, speed_table
+from strata.bench.table import acceptance_table, busy_cell, speed_table
 from strata.errors import StrataError
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -97,6 +97,29 @@ def test_header_and_acceptance_table(run):
         d = on["workloads"][name]["solo"]["drafts"]
         assert cell == (f"{d['acceptance']:.0%} ({d['accepted']}/{d['drafted']})"
                         if d["drafted"] else "-")
+
+
+def test_stage_busy_table_agrees_with_json(run):
+    result, raw, _ = run
+    rows = table(result.stdout, "stage busy fraction, 1 user / 2 users")
+    for arm in raw["arms"]:
+        for cell, name in zip(rows[arm["name"]], ["edit", "prose"], strict=True):
+            parts = [arm["workloads"][name][p] for p in ("solo", "concurrent")]
+            assert cell == " / ".join(busy_cell(p) for p in parts)
+            for part in parts:  # one stage in one process: busy while it computes
+                assert len(part["stage_busy"]) == 1 and 0 < part["stage_busy"][0] <= 1.05
+
+
+def test_busy_seconds_reads_the_servers_counters(monkeypatch):
+    from strata.bench import stages
+    from strata.server.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.observe_stages([1.5, 0.25])
+    metrics.observe_stages([2.0, 0.25])
+    monkeypatch.setattr(stages.httpx, "get", lambda url, timeout: httpx.Response(
+        200, text=metrics.render().decode(), request=httpx.Request("GET", url)))
+    assert stages.busy_seconds("http://x/v1") == [2.0, 0.25]
 
 
 def test_no_server_left_behind(run):

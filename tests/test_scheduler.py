@@ -186,3 +186,40 @@ def test_eos_inside_accepted_drafts_stops_there():
     sched.commit(sched.schedule(), [[40]])
     sched.commit(sched.schedule(), [[50, 2, 52, 53]])
     assert request.output_ids == [40, 50, 2] and request.finish_reason == "stop"
+
+
+def test_groups_pipeline_one_window_each_and_admit_into_the_scheduled_group():
+    sched = Scheduler(num_slots=4, max_context=32, max_window_tokens=16, block_size=4,
+                      num_groups=2)
+    assert [[s.index for s in g] for g in sched.groups] == [[0, 2], [1, 3]]
+    a, b, c = make(3), make(3), make(3)
+    for request in (a, b, c):
+        sched.add(request)
+    w0 = sched.schedule()  # group 0 admits a and b into its slots 0 and 2
+    assert w0.group == 0 and w0.slots == [0, 2] and w0.requests == [a, b]
+    w1 = sched.schedule()  # group 1 admits c
+    assert w1.group == 1 and w1.slots == [1] and w1.requests == [c]
+    assert sched.schedule() is None  # both groups in flight
+    sched.commit(w1, [[7]])
+    w1 = sched.schedule()  # only group 1 is idle: c decodes at position 3
+    assert w1.group == 1 and w1.positions.tolist() == [3] and w1.token_ids.tolist() == [7]
+    assert sched.schedule() is None
+    sched.commit(w0, [[5], [6]])
+    assert sched.schedule().requests == [a, b]
+    assert sched.has_work
+
+
+def test_window_header_carries_what_the_last_stage_needs():
+    sched = Scheduler(num_slots=2, max_context=64, max_window_tokens=6, block_size=4)
+    long, short = make(9), make(2)
+    sched.add(long)
+    sched.add(short)
+    window = sched.schedule()
+    assert window.query_lens == [6] and window.samples == [False]
+    assert window.header.following == [7] and window.header.verify == []  # 7 follows the chunk
+    sched.commit(window, [])
+    header = sched.schedule().header  # the rest of long, then all of short: both sample
+    assert header.query_lens == [3, 2] and header.following == [None, None]
+    assert [(e.request_id, e.position, e.draft) for e in header.verify] == [
+        (long.request_id, 9, []), (short.request_id, 2, [])]
+    assert "requests" not in vars(header)  # requests never travel to the stages

@@ -20,7 +20,8 @@ from strata.bench.client import concurrent, measure, solo
 from strata.bench.config import Arm, BenchConfig
 from strata.bench.process import log_tail, served
 from strata.bench.report import append_result, commit, machine
-from strata.bench.table import acceptance_table, rate, speed_table
+from strata.bench.stages import BusyMeter
+from strata.bench.table import acceptance_table, busy_table, rate, speed_table
 from strata.errors import StrataError
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results.jsonl"
@@ -75,12 +76,17 @@ def measure_arm(base_url: str, api_key: str | None, config: BenchConfig, progres
         out = {}
         for name in config.workloads:
             progress(f"{where}: {name}, 1 user (2 requests of {config.max_tokens} tokens)")
-            result = {"solo": solo(client, model, name, config.edit_file, config.max_tokens)}
+            with BusyMeter(base_url) as meter:
+                result = {"solo": solo(client, model, name, config.edit_file,
+                                       config.max_tokens)}
+            result["solo"]["stage_busy"] = meter.fractions
             if config.users > 1:
                 progress(f"{where}: {name}, {config.users} users "
                          f"(1 user: {rate(result['solo']['decode_tok_s'])} tok/s)")
-                result["concurrent"] = concurrent(client, model, name, config.edit_file,
-                                                  config.max_tokens, config.users)
+                with BusyMeter(base_url) as meter:
+                    result["concurrent"] = concurrent(client, model, name, config.edit_file,
+                                                      config.max_tokens, config.users)
+                result["concurrent"]["stage_busy"] = meter.fractions
             out[name] = result
         return model, out
 
@@ -139,6 +145,10 @@ def print_results(results: dict) -> None:
     print(speed_table(results))
     print()
     print(acceptance_table(results))
+    busy = busy_table(results)
+    if busy:
+        print()
+        print(busy)
     simulated = [a["name"] for a in results["arms"] if a["simulated"]]
     if simulated:
         print(f"\nnote: simulated arms ({', '.join(simulated)}) accept drafts at a fixed "

@@ -51,3 +51,22 @@ def acceptance_table(results: dict) -> str:
     rows = [[label(arm)] + [acceptance_cell(arm["workloads"][w]["solo"]["drafts"])
                             for w in workloads] for arm in results["arms"]]
     return markdown_table(["draft acceptance, 1 user", *workloads], rows)
+
+
+def busy_cell(result: dict | None) -> str:
+    fractions = (result or {}).get("stage_busy")
+    return " ".join(f"{f:.2f}" for f in fractions) if fractions else "-"
+
+
+def busy_table(results: dict) -> str | None:
+    """Each stage's busy fraction (stage 0 first) during the 1-user and N-user runs;
+    None when no arm reported stage counters."""
+    workloads = results["settings"]["workloads"]
+    parts = ("solo", "concurrent") if results["settings"]["users"] > 1 else ("solo",)
+    rows = [[label(arm)] + [" / ".join(busy_cell(arm["workloads"][w].get(p)) for p in parts)
+                            for w in workloads] for arm in results["arms"]]
+    if all(cell == " / ".join("-" for _ in parts) for row in rows for cell in row[1:]):
+        return None
+    users = results["settings"]["users"]
+    title = "stage busy fraction, 1 user" + (f" / {users} users" if users > 1 else "")
+    return markdown_table([title, *workloads], rows)

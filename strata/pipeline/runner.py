@@ -59,6 +59,7 @@ class PipelineRunner:
         self.in_flight: deque[tuple[Window, float]] = deque()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.last_progress = time.monotonic()
+        self.receiver: threading.Thread | None = None
         self.closed = False
         try:
             self._start()
@@ -125,6 +126,8 @@ class PipelineRunner:
 
     def collect(self) -> tuple[Window, WindowResult]:
         """The oldest window in flight and its result, in submission order."""
+        if self.closed:
+            raise StageFailure("the stage processes have stopped; restart the engine")
         while True:
             try:
                 result = self.results.get(timeout=POLL_SECONDS)
@@ -186,5 +189,9 @@ class PipelineRunner:
             if process.is_alive():
                 process.kill()
                 process.join()
-        if dist.is_initialized():
+        receiver = self.receiver
+        if receiver is not None:  # it ends when the last stage's connection closes
+            receiver.join(timeout=max(0.0, deadline - time.monotonic()) + 1)
+        # NOTE: destroying the groups under a receive still blocked would abort the process.
+        if dist.is_initialized() and (receiver is None or not receiver.is_alive()):
             dist.destroy_process_group()

@@ -118,7 +118,8 @@ class StageLoop:
 
 
 def stage_process_main(host: str, port: int, world_size: int, rank: int) -> None:
-    """Entry of a stage process started by the engine (multiprocessing, spawn)."""
+    """Entry of a stage process: started by the engine (multiprocessing, spawn), or by
+    torchrun running `strata serve` (every rank but 0 comes here)."""
     watch_parent()
     logging.basicConfig(level=logging.INFO, format=f"strata stage {rank - 1}: %(message)s")
     store = rendezvous.connect_store(rendezvous.Address(host, port, world_size))

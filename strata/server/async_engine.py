@@ -121,6 +121,7 @@ class AsyncEngine:
                     for request in updated:
                         self._push(request)
                     self.metrics.observe_drafts(engine.draft_stats)
+                    self.metrics.observe_stages(engine.stage_seconds)
                 self.metrics.queue_length.set(len(engine.scheduler.waiting))
                 self.metrics.slots_used.set(engine.scheduler.num_running)
         except Exception as e:  # noqa: BLE001 - a dead engine must fail requests, not hang them
@@ -129,6 +130,8 @@ class AsyncEngine:
             for handle in list(self._handles.values()):
                 self._send(handle, Update([], error=self.error))
             self._handles.clear()
+        finally:
+            engine.close()  # stage processes stop with the engine thread
 
     def _drain(self, block: bool) -> None:
         try:

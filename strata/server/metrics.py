@@ -20,14 +20,19 @@ class Metrics:
         self.slots_used = Gauge("strata_slots_used", "Slots holding a running request", registry=r)
         self.slots_total = Gauge("strata_slots_total", "Slots (--parallel)", registry=r)
         self.window_seconds = Histogram(
-            "strata_window_seconds", "Time of one window through all stages", registry=r,
+            "strata_window_seconds", "Time of one engine step: send the idle groups' windows, "
+            "commit the oldest", registry=r,
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
 
         self.draft_tokens = Counter("strata_draft_tokens", "Draft tokens sent, by proposer",
                                     ["proposer"], registry=r)
         self.draft_accepted = Counter("strata_draft_accepted_tokens",
                                       "Draft tokens accepted, by proposer", ["proposer"], registry=r)
+        self.stage_busy = Counter("strata_stage_busy_seconds",
+                                  "Compute time of each stage (busy fraction: its rate)",
+                                  ["stage"], registry=r)
         self._seen: dict[str, tuple[int, int]] = {}
+        self._stage_seen: list[float] = []
 
     def observe_drafts(self, stats) -> None:
         """Add what the engine's DraftStats gained since the last call."""
@@ -38,6 +43,15 @@ class Metrics:
             if s.accepted > accepted:
                 self.draft_accepted.labels(name).inc(s.accepted - accepted)
             self._seen[name] = (s.drafted, s.accepted)
+
+    def observe_stages(self, seconds: list[float]) -> None:
+        """Add each stage's compute seconds gained since the last call."""
+        if len(self._stage_seen) != len(seconds):
+            self._stage_seen = [0.0] * len(seconds)
+        for stage, (now, seen) in enumerate(zip(seconds, self._stage_seen)):
+            if now > seen:
+                self.stage_busy.labels(str(stage)).inc(now - seen)
+        self._stage_seen = list(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,257 @@
+"""Stage processes and pipelined groups (gloo between CPU processes): greedy output equals
+one process without drafts; in-process stages equal stage processes; a dead or hung stage
+fails the engine within seconds and leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import build_tiny, prompts
+from server_utils import free_port
+from strata.config import EngineConfig
+from strata.engine.engine import Engine
+from strata.errors import StrataError
+from strata.pipeline.runner import StageFailure
+from strata.sampling.params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+
+
+def repetitive_prompts(vocab: int) -> list[list[int]]:
+    """Prompts with repeats, so suffix and lookup drafts get accepted and rejected."""
+    out = []
+    for i, p in enumerate(prompts(4, vocab, seed=11, low=6, high=14)):
+        out.append(p * (2 + i % 2) + p[: 3 + i])
+    return out
+
+
+def stage_pids(engine: Engine) -> list[int]:
+    return [p.pid for p in engine.runner.processes]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat")
+    return not (status.exists() and status.read_text().split(") ")[1].startswith("Z"))
+
+
+def wait_gone(pids: list[int], seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"processes left behind: {pids}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    """Greedy outputs of one process without drafts, per model kind."""
+    out = {}
+    for kind in ("llama", "qwen3_moe"):
+        folder = tiny_models[kind][0]
+        engine = Engine(EngineConfig(model=str(folder), parallel=4, spec=0))
+        out[kind] = engine.generate(repetitive_prompts(320), GREEDY)
+    return out
+
+
+@pytest.mark.parametrize("kind,split", [("llama", (2,)), ("llama", (1, 2, 3)),
+                                        ("qwen3_moe", (1, 3))])
+def test_stage_processes_with_drafts_equal_one_process_without(tiny_models, reference, kind,
+                                                               split):
+    config = EngineConfig(model=str(tiny_models[kind][0]), parallel=4, layer_split=split,
+                          devices=("cpu",) * (len(split) + 1), stage_threads=1)
+    engine = Engine(config)
+    try:
+        assert engine.scheduler.num_groups == len(split) + 1  # auto: one group per stage
+        assert engine.generate(repetitive_prompts(320), GREEDY) == reference[kind]
+        stats = engine.draft_stats
+        assert stats.accepted > 0 and stats.drafted > stats.accepted  # kept and rejected
+        assert all(s > 0 for s in engine.stage_seconds)
+        pids = stage_pids(engine)
+    finally:
+        engine.close()
+    wait_gone(pids)
+
+
+def test_in_process_stages_equal_stage_processes(tiny_models):
+    folder = str(tiny_models["llama"][0])
+    runs = []
+    for devices in (("cpu",), ("cpu", "cpu", "cpu")):
+        engine = Engine(EngineConfig(model=folder, parallel=4, layer_split=(1, 3),
+                                     devices=devices, batch_groups=2, stage_threads=1))
+        try:
+            ids = repetitive_prompts(320)[1]
+            logits = engine.score(ids)
+            tokens = engine.generate(repetitive_prompts(320), GREEDY)
+            seeded = engine.generate(repetitive_prompts(320)[:2], SamplingParams(
+                temperature=0.9, seed=7, max_tokens=20))
+            runs.append((logits, tokens, seeded, engine.draft_stats.as_dict()))
+        finally:
+            engine.close()
+    (l1, t1, s1, d1), (l2, t2, s2, d2) = runs
+    assert l1.shape == (len(repetitive_prompts(320)[1]), 320)
+    assert (l1 - l2).abs().max() < 1e-5
+    assert t1 == t2 and s1 == s2 and d1 == d2
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_any_group_count_in_one_process_keeps_greedy_output(tiny_models, reference, groups):
+    engine = Engine(EngineConfig(model=str(tiny_models["llama"][0]), parallel=4,
+                                 layer_split=(2,), batch_groups=groups))
+    assert engine.generate(repetitive_prompts(320), GREEDY) == reference["llama"]
+    assert engine.draft_stats.accepted > 0
+
+
+def run_until_failure(engine: Engine, hurt) -> float:
+    for p in repetitive_prompts(320):
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=400))
+    for _ in range(6):
+        engine.step()
+    hurt()
+    start = time.monotonic()
+    with pytest.raises(StageFailure) as failure:
+        while engine.has_work:
+            engine.step()
+    return time.monotonic() - start, str(failure.value)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_dead_or_hung_stage_fails_fast_and_leaves_no_process(tiny_models, sig):
+    engine = Engine(EngineConfig(model=str(tiny_models["llama"][0]), parallel=4,
+                                 layer_split=(1, 2, 3), devices=("cpu",) * 4, stage_threads=1,
+                                 stage_timeout=2))
+    pids = stage_pids(engine)
+    seconds, message = run_until_failure(engine, lambda: os.kill(pids[1], sig))
+    if sig == signal.SIGKILL:
+        assert seconds < 3 and "stage 1" in message and "exited" in message
+    else:
+        assert seconds < 6 and "hung" in message and "--stage-timeout" in message
+    wait_gone(pids)
+    assert engine.has_work
+    with pytest.raises(StageFailure, match="stopped"):
+        engine.step()
+
+
+def test_stage_load_error_names_the_tensor(tmp_path):
+    folder = tmp_path / "bad"
+    build_tiny("llama", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] = 100  # the saved tensors are 96 wide
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(StrataError, match="stage 0 could not load.*mlp.*shape"):
+        Engine(EngineConfig(model=str(folder), layer_split=(2,), devices=("cpu", "cpu"),
+                            stage_threads=1))
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def start_server(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`strata serve` on the default model with two stage processes."""
+    port = free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "strata.cli", "serve", "--port", str(port), "--layer-split",
+             "15", "--devices", "cpu,cpu", "--stage-threads", "1", *flags],
+            stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        try:
+            health = httpx.get(f"{base}/health", timeout=2)
+            if health.status_code == 200:
+                return proc, base
+            assert health.json()["status"] == "loading", log.read_text()
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+
+
+def served_model(base: str) -> str:
+    return httpx.get(f"{base}/v1/models", timeout=5).json()["data"][0]["id"]
+
+
+def test_server_with_a_killed_stage_errors_and_answers_503(tmp_path):
+    proc, base = start_server(tmp_path / "server.log")
+    try:
+        stages = children(proc.pid)
+        assert len(stages) >= 2
+        body = {"model": served_model(base), "prompt": [1, 2, 3, 4], "max_tokens": 2000,
+                "temperature": 0, "stream": True}
+        start = None
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: {") and start is None:
+                    for pid in stages:  # the stage processes (and multiprocessing's helper)
+                        os.kill(pid, signal.SIGKILL)
+                    start = time.monotonic()
+                if "error" in line:
+                    assert start is not None, line
+                    break
+            else:
+                pytest.fail("the stream ended without an error")
+        assert time.monotonic() - start < 5
+        health = httpx.get(f"{base}/health", timeout=5)
+        assert health.status_code == 503 and "stage" in health.json()["error"]
+        refused = httpx.post(f"{base}/v1/completions", json={**body, "stream": False},
+                             timeout=10)
+        assert refused.status_code == 503
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+    wait_gone(stages)
+
+
+def test_sigterm_stops_the_server_and_its_stages(tmp_path):
+    proc, base = start_server(tmp_path / "server.log")
+    stages = children(proc.pid)
+    reply = httpx.post(f"{base}/v1/completions", timeout=60, json={
+        "model": served_model(base), "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 8
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    wait_gone(stages)
+
+
+def test_server_killed_with_sigkill_leaves_no_stage(tmp_path):
+    proc, _ = start_server(tmp_path / "server.log")
+    stages = children(proc.pid)
+    proc.kill()
+    proc.wait()
+    wait_gone(stages, seconds=5)  # each stage watches its parent
+
+
+def test_torchrun_runs_the_same_stages():
+    flags = ["generate", "The cat sat", "--max-tokens", "12", "--temperature", "0"]
+    one = subprocess.run([sys.executable, "-m", "strata.cli", *flags], capture_output=True,
+                         text=True, timeout=120)
+    assert one.returncode == 0, one.stderr
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         "-m", "strata.cli", *flags, "--layer-split", "10,20", "--devices", "cpu,cpu,cpu",
+         "--stage-threads", "1"], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == one.stdout and one.stdout.strip()
