@@ -1,6 +1,7 @@
 """Each stage's busy fraction while a measurement ran: the server's
 `strata_stage_busy_seconds` counters (compute time per stage) read from /metrics before
-and after, over the measurement's wall time. Servers without these counters give None."""
+and after, over the measurement's wall time; the last number is the scheduler's
+(`strata_scheduler_busy_seconds`). Servers without these counters give None."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 import httpx
 
 _SAMPLE = re.compile(r'^strata_stage_busy_seconds_total\{stage="(\d+)"\} (\S+)$', re.M)
+_SCHEDULER = re.compile(r'^strata_scheduler_busy_seconds_total (\S+)$', re.M)
 
 
 def busy_seconds(base_url: str) -> list[float] | None:
@@ -18,12 +20,17 @@ def busy_seconds(base_url: str) -> list[float] | None:
         text = httpx.get(f"{root}/metrics", timeout=10).text
     except httpx.HTTPError:
         return None
+    """Busy seconds of each stage, then of the scheduler."""
     samples = {int(stage): float(value) for stage, value in _SAMPLE.findall(text)}
-    return [samples[s] for s in sorted(samples)] if samples else None
+    if not samples:
+        return None
+    scheduler = _SCHEDULER.search(text)
+    return [samples[s] for s in sorted(samples)] + [float(scheduler[1]) if scheduler else 0.0]
 
 
 class BusyMeter:
-    """with BusyMeter(url) as meter: ...; meter.fractions -> [per stage] or None."""
+    """with BusyMeter(url) as meter: ...; meter.fractions -> [per stage..., scheduler]
+    or None."""
 
     def __init__(self, base_url: str):
         self.base_url = base_url

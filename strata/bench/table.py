@@ -54,13 +54,17 @@ def acceptance_table(results: dict) -> str:
 
 
 def busy_cell(result: dict | None) -> str:
+    """'0.95 0.93 0.90 0.88 (sched 0.20)': each stage, then the scheduler."""
     fractions = (result or {}).get("stage_busy")
-    return " ".join(f"{f:.2f}" for f in fractions) if fractions else "-"
+    if not fractions:
+        return "-"
+    *stages, scheduler = fractions
+    return " ".join(f"{f:.2f}" for f in stages) + f" (sched {scheduler:.2f})"
 
 
 def busy_table(results: dict) -> str | None:
-    """Each stage's busy fraction (stage 0 first) during the 1-user and N-user runs;
-    None when no arm reported stage counters."""
+    """Each stage's busy fraction (stage 0 first) and the scheduler's during the 1-user
+    and N-user runs; None when no arm reported stage counters."""
     workloads = results["settings"]["workloads"]
     parts = ("solo", "concurrent") if results["settings"]["users"] > 1 else ("solo",)
     rows = [[label(arm)] + [" / ".join(busy_cell(arm["workloads"][w].get(p)) for p in parts)

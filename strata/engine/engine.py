@@ -9,6 +9,8 @@ the caller (see generator.py).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from strata.config import EngineConfig
@@ -47,6 +49,7 @@ class Engine:
         self.runner = runner(config, self.checkpoint, self.scheduler.pool.num_blocks,
                              self.max_context, mtp=use_mtp)
         self.stage_seconds = [0.0] * self.runner.num_stages  # compute time of each stage
+        self.scheduler_seconds = 0.0  # time in step() outside collect: scheduling, commits
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
@@ -90,17 +93,21 @@ class Engine:
     def step(self) -> list[Request]:
         """Send a window for each idle group with work, then commit the oldest window in
         flight; return the requests that received tokens."""
+        start = time.perf_counter()
         while (window := self.scheduler.schedule()) is not None:
             self.runner.submit(window)
         if self.runner.num_in_flight == 0:
             return []
+        collect = time.perf_counter()
         window, result = self.runner.collect()
+        commit = time.perf_counter()
         for stage, seconds in enumerate(result.stage_seconds):
             self.stage_seconds[stage] += seconds
         updated = self.scheduler.commit(window, result.tokens, result.mtp_drafts)
         for request in updated:
             if request.finished:
                 self.runner.forget(request.request_id)
+        self.scheduler_seconds += (collect - start) + (time.perf_counter() - commit)
         return updated
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ from strata.engine.results import WindowResult
 from strata.engine.runner import check_device
 from strata.errors import StrataError
 from strata.pipeline import rendezvous
-from strata.pipeline.transport import Pending, recv_object, send_object
+from strata.pipeline.transport import Pending, pack, recv_object, send_object, send_packed
 from strata.pipeline.worker import STOP, WINDOW, stage_process_main
 from strata.scheduler.window import Window
 
@@ -120,8 +120,9 @@ class PipelineRunner:
         header.forget, self.forgotten = self.forgotten, []
         if not self.in_flight:
             self.last_progress = time.monotonic()
+        message = pack((WINDOW, header))
         for stage in range(self.num_stages):
-            send_object((WINDOW, header), stage + 1, self.pending)
+            send_packed(message, stage + 1, self.pending)
         self.in_flight.append((window, time.monotonic()))
 
     def collect(self) -> tuple[Window, WindowResult]:

@@ -1,18 +1,25 @@
-"""What travels between processes and how: pickled messages (window headers, results)
-and hidden states, over torch.distributed point-to-point sends.
+"""What travels between processes and how: messages (window headers, results) and hidden
+states, over torch.distributed point-to-point sends.
 
-A message is two sends: its length, then its bytes. Hidden states travel as raw bytes
-so that any dtype crosses gloo; on NCCL they stay on the GPU. Sends are asynchronous:
-a Pending keeps each send's buffers alive until the send has completed.
+A message is pickled with its tensors as raw bytes (not torch's own tensor pickling, which
+costs ~0.1 ms a tensor) and sent in one frame of FRAME bytes — a length, then the payload —
+plus a second send only for what does not fit (long prompt chunks). Hidden states travel
+as raw bytes on gloo, followed by every stage's compute seconds so far; on NCCL they stay on
+the GPU and the seconds go on gloo. Sends are asynchronous: a Pending keeps each send's
+buffers alive until it has completed.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 from collections import deque
 
 import torch
 import torch.distributed as dist
+
+FRAME = 8192  # bytes of a message's first send: most headers and results fit
+_LENGTH = 8
 
 
 class Pending:
@@ -32,46 +39,84 @@ class Pending:
             self._works.popleft()[0].wait()
 
 
+def _tensor(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor):
+            host = obj.detach().cpu().contiguous()
+            data = host.view(torch.uint8).numpy().tobytes() if host.numel() else b""
+            return _tensor, (data, str(host.dtype).removeprefix("torch."), tuple(host.shape))
+        return NotImplemented
+
+
+def pack(obj) -> list[torch.Tensor]:
+    """A message as its buffers to send: the first FRAME bytes, then any rest."""
+    out = io.BytesIO()
+    out.write(bytes(_LENGTH))
+    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    data = bytearray(out.getbuffer())
+    size = len(data) - _LENGTH
+    data[:_LENGTH] = size.to_bytes(_LENGTH, "little")
+    if len(data) < FRAME:
+        data.extend(bytes(FRAME - len(data)))
+    whole = torch.frombuffer(data, dtype=torch.uint8)
+    return [whole[:FRAME]] + ([whole[FRAME:]] if len(data) > FRAME else [])
+
+
+def send_packed(buffers: list[torch.Tensor], dst: int, pending: Pending, group=None) -> None:
+    for buffer in buffers:
+        pending.add(dist.isend(buffer, dst, group=group), buffer)
+
+
 def send_object(obj, dst: int, pending: Pending, group=None) -> None:
-    data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
-                            dtype=torch.uint8)
-    length = torch.tensor([data.numel()], dtype=torch.long)
-    pending.add(dist.isend(length, dst, group=group), length)
-    pending.add(dist.isend(data, dst, group=group), data)
+    send_packed(pack(obj), dst, pending, group)
 
 
 def recv_object(src: int, group=None):
-    length = torch.zeros(1, dtype=torch.long)
-    dist.recv(length, src, group=group)
-    data = torch.empty(int(length), dtype=torch.uint8)
-    dist.recv(data, src, group=group)
-    return pickle.loads(data.numpy().tobytes())
+    frame = torch.empty(FRAME, dtype=torch.uint8)
+    dist.recv(frame, src, group=group)
+    data = frame.numpy().tobytes()
+    size = int.from_bytes(data[:_LENGTH], "little")
+    if _LENGTH + size > FRAME:
+        rest = torch.empty(_LENGTH + size - FRAME, dtype=torch.uint8)
+        dist.recv(rest, src, group=group)
+        data += rest.numpy().tobytes()
+    return pickle.loads(data[_LENGTH:_LENGTH + size])
 
 
 class HiddenLink:
-    """Hidden states [T, hidden] between two neighbouring stages: on the GPU through
-    `nccl_group`, or through host memory on gloo (CPU stages, or stages sharing a GPU)."""
+    """Hidden states [T, hidden] and the compute seconds [S] between two neighbouring
+    stages: on the GPU through `nccl_group`, or through host memory on gloo (CPU stages, or
+    stages sharing a GPU)."""
 
     def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 nccl_group=None):
+                 num_stages: int, nccl_group=None):
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
-        self.group = nccl_group
+        self.num_stages, self.group = num_stages, nccl_group
 
-    def send(self, x: torch.Tensor, dst: int, pending: Pending) -> None:
+    def send(self, x: torch.Tensor, seconds: torch.Tensor, dst: int, pending: Pending) -> None:
         if self.group is not None:
             x = x.contiguous()
             pending.add(dist.isend(x, dst, group=self.group), x)
+            pending.add(dist.isend(seconds, dst), seconds)
             return
-        data = x.detach().to("cpu").contiguous().view(-1).view(torch.uint8)  # NOTE: host sync
+        hidden = x.detach().to("cpu").contiguous().view(-1).view(torch.uint8)  # NOTE: host sync
+        data = torch.cat([hidden, seconds.view(torch.uint8)])
         pending.add(dist.isend(data, dst), data)
 
-    def recv(self, num_tokens: int, src: int) -> torch.Tensor:
+    def recv(self, num_tokens: int, src: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [T, hidden] on the GPU or the host, seconds float64 [S] on the host)."""
         shape = (num_tokens, self.hidden_size)
         if self.group is not None:
             x = torch.empty(shape, dtype=self.dtype, device=self.device)
             dist.recv(x, src, group=self.group)
-            return x
+            seconds = torch.empty(self.num_stages, dtype=torch.float64)
+            dist.recv(seconds, src)
+            return x, seconds
         size = num_tokens * self.hidden_size * torch.finfo(self.dtype).bits // 8
-        data = torch.empty(size, dtype=torch.uint8)
+        data = torch.empty(size + 8 * self.num_stages, dtype=torch.uint8)
         dist.recv(data, src)
-        return data.view(self.dtype).view(shape)
+        return data[:size].view(self.dtype).view(shape), data[size:].view(torch.float64).clone()

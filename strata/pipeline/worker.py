@@ -82,7 +82,7 @@ class StageLoop:
         self.rank = index + 1
         self.first, self.last = index == 0, index == plan.num_stages - 1
         self.link = HiddenLink(hidden_size, plan.config.torch_dtype(), stage.device,
-                               groups.hidden)
+                               plan.num_stages, groups.hidden)
         self.pending = Pending()
         self.cuda = stage.device.type == "cuda"
 
@@ -95,24 +95,25 @@ class StageLoop:
                 self.run(header)
 
     def run(self, header) -> None:
+        start = time.perf_counter()
+        meta = header.meta(self.stage.device)  # NOTE: built while the previous stage works
+        prepared = time.perf_counter() - start
         if self.first:
             x = header.token_ids
             seconds = torch.zeros(self.num_stages, dtype=torch.float64)
         else:
-            x = self.link.recv(header.num_tokens, self.rank - 1)
-            seconds = torch.empty(self.num_stages, dtype=torch.float64)
-            dist.recv(seconds, self.rank - 1)
+            x, seconds = self.link.recv(header.num_tokens, self.rank - 1)
         start = time.perf_counter()
-        out = self.stage.forward(x, header.meta(self.stage.device))
-        if self.cuda:
-            torch.cuda.synchronize(self.stage.device)  # NOTE: so that seconds are compute
-        seconds[self.index] = time.perf_counter() - start
+        out = self.stage.forward(x, meta)
         if not self.last:
-            self.link.send(out, self.rank + 1, self.pending)
-            self.pending.add(dist.isend(seconds, self.rank + 1), seconds)
+            if self.cuda:
+                torch.cuda.synchronize(self.stage.device)  # NOTE: so that seconds are compute
+            seconds[self.index] = prepared + time.perf_counter() - start
+            self.link.send(out, seconds, self.rank + 1, self.pending)
             return
         logits, hidden = out
-        result = self.verifier.finish(header, logits, hidden)
+        result = self.verifier.finish(header, logits, hidden)  # its host read waits for the GPU
+        seconds[self.index] = prepared + time.perf_counter() - start
         result.stage_seconds = seconds.tolist()
         send_object(result, 0, self.pending, group=self.groups.results)
 

@@ -121,7 +121,7 @@ class AsyncEngine:
                     for request in updated:
                         self._push(request)
                     self.metrics.observe_drafts(engine.draft_stats)
-                    self.metrics.observe_stages(engine.stage_seconds)
+                    self.metrics.observe_stages(engine.stage_seconds, engine.scheduler_seconds)
                 self.metrics.queue_length.set(len(engine.scheduler.waiting))
                 self.metrics.slots_used.set(engine.scheduler.num_running)
         except Exception as e:  # noqa: BLE001 - a dead engine must fail requests, not hang them

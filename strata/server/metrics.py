@@ -31,8 +31,12 @@ class Metrics:
         self.stage_busy = Counter("strata_stage_busy_seconds",
                                   "Compute time of each stage (busy fraction: its rate)",
                                   ["stage"], registry=r)
+        self.scheduler_busy = Counter("strata_scheduler_busy_seconds",
+                                      "Engine time scheduling, sending and committing "
+                                      "windows (not waiting for results)", registry=r)
         self._seen: dict[str, tuple[int, int]] = {}
         self._stage_seen: list[float] = []
+        self._scheduler_seen = 0.0
 
     def observe_drafts(self, stats) -> None:
         """Add what the engine's DraftStats gained since the last call."""
@@ -44,8 +48,12 @@ class Metrics:
                 self.draft_accepted.labels(name).inc(s.accepted - accepted)
             self._seen[name] = (s.drafted, s.accepted)
 
-    def observe_stages(self, seconds: list[float]) -> None:
-        """Add each stage's compute seconds gained since the last call."""
+    def observe_stages(self, seconds: list[float], scheduler: float = 0.0) -> None:
+        """Add each stage's compute seconds (and the scheduler's) gained since the last
+        call."""
+        if scheduler > self._scheduler_seen:
+            self.scheduler_busy.inc(scheduler - self._scheduler_seen)
+            self._scheduler_seen = scheduler
         if len(self._stage_seen) != len(seconds):
             self._stage_seen = [0.0] * len(seconds)
         for stage, (now, seen) in enumerate(zip(seconds, self._stage_seen)):
