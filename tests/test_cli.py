@@ -82,3 +82,25 @@ def test_invalid_layer_split(split):
 
 def test_unknown_device():
     assert_clean_error(run(PROMPT, "--devices", "tpu:0"), "tpu")
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--batch-groups", "0"], "--batch-groups 0"),
+    (["--batch-groups", "5", "--parallel", "4"], "--parallel (4)"),
+    (["--batch-groups", "many"], "neither auto nor a whole number"),
+    (["--stage-threads", "0"], "--stage-threads"),
+    (["--stage-timeout", "0"], "--stage-timeout"),
+    (["--layer-split", "15", "--devices", "cpu,cpu,cpu"], "3 devices for 2 stages"),
+])
+def test_invalid_pipeline_flags(flags, needle):
+    assert_clean_error(run(PROMPT, *flags), needle)
+
+
+def test_batch_groups_resolve():
+    from strata.config import EngineConfig
+    assert EngineConfig(layer_split=(10, 20), devices=("cpu",) * 3, parallel=4).num_groups() == 3
+    assert EngineConfig(layer_split=(10, 20), devices=("cpu",) * 3, parallel=2).num_groups() == 2
+    assert EngineConfig(layer_split=(10, 20), parallel=4).num_groups() == 1  # one process
+    assert EngineConfig(layer_split=(10,), devices=("cpu", "cpu"), parallel=4,
+                        batch_groups=4).num_groups() == 4
+    assert not EngineConfig(devices=("cpu",)).stage_processes

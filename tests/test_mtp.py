@@ -1,6 +1,7 @@
 """MTP drafts: Strata's first MTP draft equals transformers' MTP candidate on tiny random
 glm4_moe and deepseek_v3 checkpoints with an MTP layer, and greedy output with MTP drafts
-(chained, any split, one or eight requests) equals greedy output without drafts."""
+(chained, any split, in one process or in stage processes with pipelined groups, one or
+eight requests) equals greedy output without drafts."""
 
 from __future__ import annotations
 
@@ -80,19 +81,25 @@ def test_first_mtp_draft_equals_transformers_candidate(mtp_models, kind, monkeyp
         assert 0 < draft.scores[0] <= 1
 
 
-@pytest.mark.parametrize("split", [(), (2,)])
-def test_greedy_identical_with_chained_mtp_drafts(mtp_models, split):
+@pytest.mark.parametrize("split,devices", [((), ("cpu",)), ((2,), ("cpu",)),
+                                           ((2,), ("cpu", "cpu"))])  # the last: 2 processes
+def test_greedy_identical_with_chained_mtp_drafts(mtp_models, split, devices):
     folder = mtp_models["glm4_moe"]
     batch = prompts(8, 320, seed=9, low=3, high=40)
     plain = Engine(EngineConfig(model=str(folder), spec=0, parallel=8, max_context=128))
     expected = plain.generate(batch, GREEDY)
     engine = Engine(EngineConfig(model=str(folder), spec=3, spec_type=("mtp",), spec_min_p=0.0,
                                  spec_token_cost=0.0, parallel=8, max_window_tokens=32,
-                                 layer_split=split, max_context=128))
-    assert engine.generate(batch, GREEDY) == expected
-    stats = engine.draft_stats.by_proposer["mtp"]
-    assert stats.drafted > stats.windows  # chains of more than one draft were sent
-    assert engine.generate(batch[:1], GREEDY) == expected[:1]
+                                 layer_split=split, devices=devices, max_context=128,
+                                 stage_threads=1))
+    try:
+        assert engine.scheduler.num_groups == len(devices)  # auto: 2 groups for 2 processes
+        assert engine.generate(batch, GREEDY) == expected
+        stats = engine.draft_stats.by_proposer["mtp"]
+        assert stats.drafted > stats.windows  # chains of more than one draft were sent
+        assert engine.generate(batch[:1], GREEDY) == expected[:1]
+    finally:
+        engine.close()
 
 
 def test_mtp_is_offered_only_where_the_model_has_it(mtp_models, tiny_models):

@@ -94,6 +94,12 @@ class PipelineRunner:
         self.receiver = threading.Thread(target=self._receive, name="strata-results",
                                          daemon=True)
         self.receiver.start()
+        config = self.plan.config
+        log.info("%d stage processes ready (%s), %d groups, hidden states over %s",
+                 self.num_stages, ", ".join(
+                     f"stage {i}: {config.stage_device(i)} pid {p.pid}"
+                     for i, p in enumerate(self.processes)) or "started by torchrun",
+                 config.num_groups(), "NCCL" if self.plan.nccl else "gloo")
 
     def _wait_ready(self, store) -> None:
         keys = rendezvous.strata_keys(store)
