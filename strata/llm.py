@@ -16,6 +16,7 @@ from strata.sampling.params import SamplingParams
 from strata.spec.stats import DraftStats
 from strata.tokenizer import Tokenizer
 from strata.tokenizer.detokenize import IncrementalDetokenizer
+from strata.weights.checkpoint import open_checkpoint
 
 
 @dataclass
@@ -54,8 +55,10 @@ class TextStream:
 
 class LLM:
     def __init__(self, config: EngineConfig, checkpoint=None):
+        checkpoint = checkpoint if checkpoint is not None else open_checkpoint(config.model)
+        # NOTE: the tokenizer first, so that a missing one fails before stages start
+        self.tokenizer: Tokenizer = checkpoint.load_tokenizer()
         self.engine = Engine(config, checkpoint)
-        self.tokenizer: Tokenizer = self.engine.checkpoint.load_tokenizer()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | self.engine.eos_token_ids
 
     def close(self) -> None:

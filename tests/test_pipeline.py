@@ -176,17 +176,22 @@ def start_server(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
             stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, log.read_text()
-        try:
-            health = httpx.get(f"{base}/health", timeout=2)
-            if health.status_code == 200:
-                return proc, base
-            assert health.json()["status"] == "loading", log.read_text()
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+    try:
+        while True:
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            try:
+                health = httpx.get(f"{base}/health", timeout=2)
+                if health.status_code == 200:
+                    return proc, base
+                assert health.json()["status"] == "loading", log.read_text()
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def served_model(base: str) -> str:
@@ -255,3 +260,32 @@ def test_torchrun_runs_the_same_stages():
          "--stage-threads", "1"], capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr
     assert run.stdout == one.stdout and one.stdout.strip()
+
+
+def test_server_whose_model_fails_to_load_starts_no_stage(tiny_models, tmp_path):
+    """The tiny checkpoint has no tokenizer: the server reports it and keeps no stage alive."""
+    port = free_port()
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "strata.cli", "serve", "--port", str(port), "--model",
+             str(tiny_models["llama"][0]), "--layer-split", "2", "--devices", "cpu,cpu"],
+            stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                if health.json()["status"] == "failed":
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        assert "tokenizer.json" in health.json()["error"]
+        stages = [p for p in children(proc.pid)
+                  if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert stages == []
+    finally:
+        proc.kill()
+        proc.wait()

@@ -65,6 +65,8 @@ def run_stage(store: dist.Store, rank: int) -> None:
         keys.set(rendezvous.ready_key(index), f"error: {e}")
         return
     keys.set(rendezvous.ready_key(index), "ok")
+    if stage.device.type == "cuda":
+        torch.cuda.set_device(stage.device)  # NOTE: NCCL binds this process to its GPU
     groups = rendezvous.join_groups(store, rank, plan)
     loop = StageLoop(index, plan, stage, verifier, groups, checkpoint.config.hidden_size)
     try:
