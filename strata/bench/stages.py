@@ -15,12 +15,12 @@ _SCHEDULER = re.compile(r'^strata_scheduler_busy_seconds_total (\S+)$', re.M)
 
 
 def busy_seconds(base_url: str) -> list[float] | None:
+    """Busy seconds of each stage, then of the scheduler."""
     root = base_url.rstrip("/").removesuffix("/v1")
     try:
         text = httpx.get(f"{root}/metrics", timeout=10).text
     except httpx.HTTPError:
         return None
-    """Busy seconds of each stage, then of the scheduler."""
     samples = {int(stage): float(value) for stage, value in _SAMPLE.findall(text)}
     if not samples:
         return None

@@ -56,7 +56,7 @@ class PipelineRunner:
         self.processes: list[multiprocessing.Process] = []
         self.pending = Pending()
         self.forgotten: list[str] = []
-        self.in_flight: deque[tuple[Window, float]] = deque()
+        self.in_flight: deque[Window] = deque()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.last_progress = time.monotonic()
         self.receiver: threading.Thread | None = None
@@ -129,7 +129,7 @@ class PipelineRunner:
         message = pack((WINDOW, header))
         for stage in range(self.num_stages):
             send_packed(message, stage + 1, self.pending)
-        self.in_flight.append((window, time.monotonic()))
+        self.in_flight.append(window)
 
     def collect(self) -> tuple[Window, WindowResult]:
         """The oldest window in flight and its result, in submission order."""
@@ -150,8 +150,7 @@ class PipelineRunner:
             self._check_alive(AFTER_START)
             self._fail(f"the connection to the last stage failed ({result}); " + AFTER_START)
         self.last_progress = time.monotonic()
-        window, _ = self.in_flight.popleft()
-        return window, result
+        return self.in_flight.popleft(), result
 
     def forget(self, request_id: str) -> None:
         self.forgotten.append(request_id)

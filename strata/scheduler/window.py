@@ -84,12 +84,8 @@ class Window:
     requests: list[Request]       # request of each entry
     drafts: list[Draft | None]    # drafts the entry carries after its last known token
 
-    # NOTE: the header's fields read through the window (window.query_lens, ...).
+    # NOTE: the header's fields read through the window (window.group, window.query_lens).
     def __getattr__(self, name: str):
         if name == "header":
             raise AttributeError(name)
         return getattr(self.header, name)
-
-    @property
-    def group(self) -> int:
-        return self.header.group
