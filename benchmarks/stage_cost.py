@@ -25,7 +25,7 @@ from strata.cli import add_engine_flags, engine_config
 from strata.engine.engine import Engine
 from strata.errors import StrataError
 from strata.sampling.params import SamplingParams
-from strata.spec.draft import Draft
+from strata.drafting.draft import Draft
 
 
 def stage_inputs(engine: Engine, width: int, context: int) -> list:

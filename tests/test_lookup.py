@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strata.errors import StrataError
-from strata.spec.lookup import LookupProposer
+from strata.drafting.lookup import LookupProposer
 
 
 def brute_force(tokens: list[int], lo: int, hi: int, limit: int) -> tuple[list[int], int] | None:

@@ -76,7 +76,8 @@ def test_first_mtp_draft_equals_transformers_candidate(mtp_models, kind, monkeyp
                                      spec_min_p=0.0, max_context=128))
         request = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=4))
         engine.step()  # the prompt's window: first token, then the MTP layer drafts
-        draft = engine.scheduler.drafts.mtp.propose(request.request_id, 1)
+        draft = next(p for p in engine.scheduler.drafts.proposers
+                     if p.on_last_stage).propose(request.request_id, 1)
         assert draft.tokens == [expected]
         assert 0 < draft.scores[0] <= 1
 

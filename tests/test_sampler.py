@@ -9,8 +9,7 @@ import torch
 
 from strata.errors import StrataError
 from strata.sampling.params import SamplingParams
-from strata.sampling.sampler import Sampler
-from strata.spec.verifier import Verifier, VerifyEntry
+from strata.sampling.verifier import Verifier, VerifyEntry
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
 
@@ -19,7 +18,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions=None) -
     positions = positions or [0] * len(params)
     entries = [VerifyEntry(p, f"r{i}", [], position=t)
                for i, (p, t) in enumerate(zip(params, positions))]
-    return torch.tensor([t for [t] in Verifier(Sampler()).verify(logits, entries)])
+    return torch.tensor([t for [t] in Verifier().verify(logits, entries)])
 
 
 def draw(params: SamplingParams, n: int = 2000) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.engine.request import Request
+from strata.request import Request
 from strata.kvcache.block_pool import BlockPool, BlockTable
 from strata.sampling.params import SamplingParams
 from strata.scheduler.scheduler import Scheduler
@@ -36,23 +36,23 @@ def test_decode_first_then_prompt_chunks_within_budget():
     long, short = make(20), make(2)
     sched.add(long)
     w1 = sched.schedule()
-    assert w1.query_lens == [8] and w1.samples == [False]
-    assert w1.positions.tolist() == list(range(8))
+    assert w1.header.query_lens == [8] and w1.header.samples == [False]
+    assert w1.header.positions.tolist() == list(range(8))
     sched.commit(w1, [])
     sched.add(short)
     w2 = sched.schedule()  # both are prompts: slot order
-    assert w2.query_lens == [8] and w2.requests == [long]
+    assert w2.header.query_lens == [8] and w2.requests == [long]
     sched.commit(w2, [])
     w3 = sched.schedule()  # two prompt chunks, in slot order
-    assert w3.requests == [long, short] and w3.query_lens == [4, 2]
-    assert w3.samples == [True, True]
+    assert w3.requests == [long, short] and w3.header.query_lens == [4, 2]
+    assert w3.header.samples == [True, True]
     sched.commit(w3, [[9], [7]])
     assert short.output_ids == [7] and long.output_ids == [9]
     sched.add(make(30))
     w4 = sched.schedule()  # both decoding: one token each at their next positions; no slot left
-    assert w4.query_lens == [1, 1]
-    assert w4.positions.tolist() == [20, 2]
-    assert w4.token_ids.tolist() == [9, 7]
+    assert w4.header.query_lens == [1, 1]
+    assert w4.header.positions.tolist() == [20, 2]
+    assert w4.header.token_ids.tolist() == [9, 7]
 
 
 def test_requests_wait_for_a_free_slot_and_finish_frees_it():
@@ -97,8 +97,8 @@ def test_slot_mapping_is_position_rows():
     sched.add(b)
     w = sched.schedule()
     expected = torch.cat([sched.slots[0].block_table.rows(0, 6), sched.slots[1].block_table.rows(0, 5)])
-    assert torch.equal(w.slot_mapping, expected)
-    assert set(w.slot_mapping[:6].tolist()).isdisjoint(w.slot_mapping[6:].tolist())
+    assert torch.equal(w.header.slot_mapping, expected)
+    assert set(w.header.slot_mapping[:6].tolist()).isdisjoint(w.header.slot_mapping[6:].tolist())
 
 
 def test_decoding_slot_goes_before_an_earlier_slots_prompt():
@@ -112,34 +112,36 @@ def test_decoding_slot_goes_before_an_earlier_slots_prompt():
     sched.add(c)  # takes slot 0, freed by a
     window = sched.schedule()
     assert window.slots == [1, 0] and window.requests == [b, c]
-    assert window.query_lens == [1, 3] and window.samples == [True, False]
+    assert window.header.query_lens == [1, 3] and window.header.samples == [True, False]
 
 
 class FixedProposer:
     """Proposes the same continuation every window; records its lifecycle calls."""
     name = "fixed"
+    on_last_stage = False
 
-    def __init__(self, tokens):
-        self.tokens, self.calls = tokens, []
+    def __init__(self, tokens, max_draft=4):
+        self.tokens, self.max_draft, self.calls = tokens, max_draft, []
 
     def start(self, rid, prompt):
         self.calls.append(("start", rid, list(prompt)))
 
-    def extend(self, rid, tokens):
+    def extend(self, rid, tokens, stage_drafts=None):
         self.calls.append(("extend", rid, list(tokens)))
 
     def propose(self, rid, max_tokens):
-        from strata.spec.draft import Draft
-        return Draft(self.tokens[:max_tokens], [0.9] * len(self.tokens[:max_tokens]), self.name)
+        from strata.drafting.draft import Draft
+        tokens = self.tokens[:min(max_tokens, self.max_draft)]
+        return Draft(tokens, [0.9] * len(tokens), self.name)
 
     def finish(self, rid):
         self.calls.append(("finish", rid))
 
 
 def drafting_scheduler(tokens, **kw):
-    from strata.spec.policy import DraftPolicy
+    from strata.drafting.policy import DraftPolicy
     proposer = FixedProposer(tokens)
-    policy = DraftPolicy([proposer], max_tokens=4, suffix_max=8, token_cost=0.05)
+    policy = DraftPolicy([proposer], token_cost=0.05)
     return Scheduler(num_slots=2, max_context=64, max_window_tokens=32, block_size=4,
                      drafts=policy, **kw), proposer
 
@@ -149,18 +151,18 @@ def test_drafts_are_tokens_and_rejection_rolls_back_by_position():
     request = make(5, max_tokens=20)
     sched.add(request)
     w1 = sched.schedule()  # prompt: no drafts yet
-    assert w1.drafts == [None] and w1.query_lens == [5]
+    assert w1.drafts == [None] and w1.header.query_lens == [5]
     sched.commit(w1, [[40]])
     w2 = sched.schedule()  # last token 40 at position 5, then 4 drafts (capped by --spec 4)
-    assert w2.token_ids.tolist() == [40, 50, 51, 52, 53]
-    assert w2.positions.tolist() == [5, 6, 7, 8, 9]
-    assert w2.logits_idx_of_samples().tolist() == [0, 1, 2, 3, 4]
+    assert w2.header.token_ids.tolist() == [40, 50, 51, 52, 53]
+    assert w2.header.positions.tolist() == [5, 6, 7, 8, 9]
+    assert w2.header.logits_idx_of_samples().tolist() == [0, 1, 2, 3, 4]
     sched.commit(w2, [[50, 51, 60]])  # two drafts accepted, then a correction
     assert request.output_ids == [40, 50, 51, 60]
     assert sched.slots[0].num_computed == 8  # positions 5,6,7 hold 40,50,51; 8,9 are stale
     w3 = sched.schedule()
-    assert w3.positions.tolist()[0] == 8 and w3.token_ids.tolist()[0] == 60
-    assert torch.equal(w3.slot_mapping[:2], w2.slot_mapping[3:5])  # overwrites stale rows
+    assert w3.header.positions.tolist()[0] == 8 and w3.header.token_ids.tolist()[0] == 60
+    assert torch.equal(w3.header.slot_mapping[:2], w2.header.slot_mapping[3:5])  # overwrites stale rows
     assert request.draft_stats.accepted == 2 and request.draft_stats.drafted == 4
     assert ("extend", request.request_id, [50, 51, 60]) in proposer.calls
 
@@ -196,13 +198,13 @@ def test_groups_pipeline_one_window_each_and_admit_into_the_scheduled_group():
     for request in (a, b, c):
         sched.add(request)
     w0 = sched.schedule()  # group 0 admits a and b into its slots 0 and 2
-    assert w0.group == 0 and w0.slots == [0, 2] and w0.requests == [a, b]
+    assert w0.header.group == 0 and w0.slots == [0, 2] and w0.requests == [a, b]
     w1 = sched.schedule()  # group 1 admits c
-    assert w1.group == 1 and w1.slots == [1] and w1.requests == [c]
+    assert w1.header.group == 1 and w1.slots == [1] and w1.requests == [c]
     assert sched.schedule() is None  # both groups in flight
     sched.commit(w1, [[7]])
     w1 = sched.schedule()  # only group 1 is idle: c decodes at position 3
-    assert w1.group == 1 and w1.positions.tolist() == [3] and w1.token_ids.tolist() == [7]
+    assert w1.header.group == 1 and w1.header.positions.tolist() == [3] and w1.header.token_ids.tolist() == [7]
     assert sched.schedule() is None
     sched.commit(w0, [[5], [6]])
     assert sched.schedule().requests == [a, b]
@@ -215,7 +217,7 @@ def test_window_header_carries_what_the_last_stage_needs():
     sched.add(long)
     sched.add(short)
     window = sched.schedule()
-    assert window.query_lens == [6] and window.samples == [False]
+    assert window.header.query_lens == [6] and window.header.samples == [False]
     assert window.header.following == [7] and window.header.verify == []  # 7 follows the chunk
     sched.commit(window, [])
     header = sched.schedule().header  # the rest of long, then all of short: both sample

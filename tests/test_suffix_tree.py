@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strata.errors import StrataError
-from strata.spec.suffix_tree import SuffixProposer, SuffixTrie
+from strata.drafting.suffix_tree import SuffixProposer, SuffixTrie
 
 A, B, C, D, E = 1, 2, 3, 4, 5
 

@@ -1,5 +1,5 @@
-"""The verifier: greedy acceptance against a reference loop, rejection sampling that keeps the
-model's processed distribution (point-mass and probabilistic drafts), and seeded requests.
+"""The verifier: greedy acceptance against a reference loop, rejection sampling of point-mass
+drafts that keeps the model's processed distribution, and seeded requests.
 
 Distribution checks use n draws and the bound |freq - p| < 3 / sqrt(n): a frequency's
 standard deviation is at most 0.5 / sqrt(n), so that is 6 sigma (a false failure has
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from strata.sampling.params import SamplingParams
-from strata.sampling.sampler import Sampler, processed_probs
-from strata.spec.verifier import Verifier, VerifyEntry
+from strata.sampling.sampler import processed_probs
+from strata.sampling.verifier import Verifier, VerifyEntry
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 GREEDY = SamplingParams(temperature=0)
@@ -69,13 +69,13 @@ def frequencies(tokens: list[int]) -> torch.Tensor:
     return torch.bincount(torch.tensor(tokens), minlength=V).float() / len(tokens)
 
 
-def run_many(rows: torch.Tensor, params: SamplingParams, drafts: list[list[int]],
-             draft_probs: torch.Tensor | None = None) -> list[list[int]]:
+def run_many(rows: torch.Tensor, params: SamplingParams,
+             drafts: list[list[int]]) -> list[list[int]]:
     """One verify call with one entry per draft, each entry seeing the same logits rows."""
     k = len(drafts[0])
     logits = rows[:k + 1].repeat(len(drafts), 1)
-    entries = [VerifyEntry(params, f"r{i}", d, draft_probs) for i, d in enumerate(drafts)]
-    return Verifier(Sampler()).verify(logits, entries)
+    entries = [VerifyEntry(params, f"r{i}", d) for i, d in enumerate(drafts)]
+    return Verifier().verify(logits, entries)
 
 
 # ---------------------------------------------------------------------------------- greedy
@@ -85,7 +85,7 @@ def run_many(rows: torch.Tensor, params: SamplingParams, drafts: list[list[int]]
 def test_greedy_all_accepted_gives_the_bonus(device):
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0)).to(device)
     top = logits.argmax(-1).tolist()
-    out = Verifier(Sampler()).verify(logits, [VerifyEntry(GREEDY, "a", top[:4])])
+    out = Verifier().verify(logits, [VerifyEntry(GREEDY, "a", top[:4])])
     assert out == [top]  # 4 drafts accepted, then the argmax of the last row
 
 
@@ -93,7 +93,7 @@ def test_greedy_first_draft_wrong_gives_only_the_correction():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
     top = logits.argmax(-1).tolist()
     wrong = (top[0] + 1) % 50
-    out = Verifier(Sampler()).verify(logits, [VerifyEntry(GREEDY, "a", [wrong] + top[1:3])])
+    out = Verifier().verify(logits, [VerifyEntry(GREEDY, "a", [wrong] + top[1:3])])
     assert out == [[top[0]]]
 
 
@@ -107,14 +107,14 @@ def test_greedy_mixed_batch_of_draft_lengths():
         VerifyEntry(GREEDY, "none", [(top[8] + 3) % 30]),                 # rows 8-9
         VerifyEntry(GREEDY, "k0b", []),                                   # row 10
     ]
-    assert Verifier(Sampler()).verify(logits, entries) == [
+    assert Verifier().verify(logits, entries) == [
         [top[0]], top[1:4], top[4:7], [top[8]], [top[10]]]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_greedy_matches_reference_loop(device):
     rng = random.Random(3)
-    verifier = Verifier(Sampler())
+    verifier = Verifier()
     for case in range(300):
         vocab = rng.choice([2, 7, 64])
         ks = [rng.randint(0, 5) for _ in range(rng.randint(1, 6))]
@@ -134,15 +134,15 @@ def test_greedy_entries_mixed_with_sampled_ones_stay_exact():
     top = logits.argmax(-1).tolist()
     entries = [VerifyEntry(GREEDY, "g", [top[0], (top[1] + 1) % 40]),
                VerifyEntry(SamplingParams(temperature=1.0), "s", [top[3], top[4]]),
-               VerifyEntry(GREEDY, "h", [top[6]], torch.full((1, 40), 1 / 40))]
-    out = Verifier(Sampler()).verify(logits, entries)
+               VerifyEntry(GREEDY, "h", [top[6]])]
+    out = Verifier().verify(logits, entries)
     assert out[0] == [top[0], top[1]] and out[2] == [top[6], top[7]]
     assert 1 <= len(out[1]) <= 3 and out[1][:len(out[1]) - 1] == [top[3], top[4]][:len(out[1]) - 1]
 
 
 def test_wrong_row_count_is_an_error():
     with pytest.raises(ValueError):
-        Verifier(Sampler()).verify(torch.zeros(3, 5), [VerifyEntry(GREEDY, "a", [1])])
+        Verifier().verify(torch.zeros(3, 5), [VerifyEntry(GREEDY, "a", [1])])
 
 
 # ------------------------------------------------------------------- processed distribution
@@ -205,35 +205,13 @@ def test_point_mass_k2_second_token_given_acceptance():
     assert all(t[0] != 4 for t in out) and all(t[1] != 0 for t in after_first)  # top_p
 
 
-# ------------------------------------------------------- rejection sampling: proposal probs
-
-
-def test_probabilistic_drafts_keep_the_distribution():
-    torch.manual_seed(13)
-    q = torch.tensor([[0.10, 0.10, 0.20, 0.30, 0.30],
-                      [0.60, 0.10, 0.10, 0.10, 0.10]])
-    params = SamplingParams(temperature=1.0, top_p=0.9)
-    p0, p1 = expected(ROWS[0], top_p=0.9), expected(ROWS[1], top_p=0.9)
-    assert (q[0] - p0).abs().max() > 0.2 and (q[1] - p1).abs().max() > 0.2  # q is far from p
-    gen = torch.Generator().manual_seed(14)
-    drafts = torch.stack([torch.multinomial(q[j], N, replacement=True, generator=gen)
-                          for j in range(2)], dim=1).tolist()               # d_j ~ q_j
-    out = run_many(ROWS, params, drafts, q)
-    assert (frequencies([t[0] for t in out]) - p0).abs().max() < tol(N)
-    after_first = [t for t in out if len(t) >= 2]
-    # P(accept d1) = sum_x q(x) min(1, p(x) / q(x)) = sum_x min(p(x), q(x))
-    assert abs(len(after_first) / N - torch.minimum(p0, q[0]).sum().item()) < tol(N)
-    assert (frequencies([t[1] for t in after_first]) - p1).abs().max() < tol(len(after_first))
-    assert all(t[0] != 4 for t in out) and all(t[1] != 0 for t in after_first)  # top_p
-
-
 # --------------------------------------------------------------------------------- seeds
 
 
 def seeded_run(seed: int, global_seed: int, neighbours: bool, steps: int = 25) -> list[list[int]]:
     """One seeded request verified over `steps` windows, alone or among unseeded entries."""
     torch.manual_seed(global_seed)
-    verifier = Verifier(Sampler())
+    verifier = Verifier()
     data = torch.Generator().manual_seed(99)
     outs = []
     for _ in range(steps):
@@ -260,7 +238,7 @@ def test_same_seed_reproduces_across_verifiers_and_batches():
 
 
 def test_seeded_draw_depends_on_seed_and_position_only():
-    verifier = Verifier(Sampler())
+    verifier = Verifier()
     logits = torch.zeros(1, 1000)  # uniform over 1000 tokens
 
     def draw(seed, position):
@@ -278,7 +256,7 @@ def test_seeded_output_is_the_same_with_and_without_drafts():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 6, generator=g) * 2   # rows for positions 10..13
     params = SamplingParams(seed=11, temperature=1.0)
-    verifier = Verifier(Sampler())
+    verifier = Verifier()
     solo = [verifier.verify(logits[j:j + 1], [VerifyEntry(params, "x", [], position=10 + j)])[0][0]
             for j in range(4)]
     with_drafts = verifier.verify(logits, [VerifyEntry(params, "x", solo[:3], position=10)])[0]

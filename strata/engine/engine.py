@@ -4,7 +4,7 @@
 collects the oldest window's result and commits it. The runner is either the stages in
 this process (ModelRunner) or one process per stage (PipelineRunner); both return results
 in submission order. Tokens in, tokens out: text, chat templates and stop strings belong to
-the caller (see generator.py).
+the caller (strata/llm.py, the server).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import time
 import torch
 
 from strata.config import EngineConfig
-from strata.engine.request import Request
-from strata.engine.runner import ModelRunner
+from strata.request import Request
+from strata.engine.runner import ModelRunner, Runner
 from strata.errors import StrataError
 from strata.sampling.params import SamplingParams
 from strata.scheduler.scheduler import Scheduler
-from strata.spec.registry import build_policy
-from strata.spec.stats import DraftStats
+from strata.drafting.registry import build_policy
+from strata.drafting.stats import DraftStats
 from strata.weights.checkpoint import open_checkpoint
 
 
@@ -34,7 +34,7 @@ class Engine:
             raise StrataError(f"--max-context {self.max_context} is larger than the model's "
                               f"context of {self.model_config.max_position} tokens; lower it")
         policy = build_policy(config, self.model_config)
-        use_mtp = policy is not None and policy.mtp is not None
+        use_mtp = policy is not None and policy.on_last_stage
         self.scheduler = Scheduler(config.parallel, self.max_context, config.max_window_tokens,
                                    config.block_size, policy,
                                    lookahead=1 + config.spec if use_mtp else 0,
@@ -46,7 +46,7 @@ class Engine:
             runner = PipelineRunner
         else:
             runner = ModelRunner
-        self.runner = runner(config, self.checkpoint, self.scheduler.pool.num_blocks,
+        self.runner: Runner = runner(config, self.checkpoint, self.scheduler.pool.num_blocks,
                              self.max_context, mtp=use_mtp)
         self.stage_seconds = [0.0] * self.runner.num_stages  # compute time of each stage
         self.scheduler_seconds = 0.0  # time in step() outside collect: scheduling, commits
@@ -80,10 +80,7 @@ class Engine:
         return request
 
     def abort(self, request_id: str) -> Request | None:
-        request = self.scheduler.abort(request_id)
-        if request is not None:
-            self.runner.forget(request_id)
-        return request
+        return self.scheduler.abort(request_id)
 
     @property
     def has_work(self) -> bool:
@@ -103,10 +100,7 @@ class Engine:
         commit = time.perf_counter()
         for stage, seconds in enumerate(result.stage_seconds):
             self.stage_seconds[stage] += seconds
-        updated = self.scheduler.commit(window, result.tokens, result.mtp_drafts)
-        for request in updated:
-            if request.finished:
-                self.runner.forget(request.request_id)
+        updated = self.scheduler.commit(window, result.tokens, result.stage_drafts)
         self.scheduler_seconds += (collect - start) + (time.perf_counter() - commit)
         return updated
 

@@ -13,39 +13,33 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.config import EngineConfig
+from strata.drafting.draft import Draft
 from strata.engine.stage import Stage
-from strata.sampling.sampler import Sampler
 from strata.scheduler.window import WindowHeader
-from strata.spec.mtp import MTPDrafter
-from strata.spec.verifier import Verifier
+from strata.engine.mtp_drafter import MTPDrafter
+from strata.sampling.verifier import Verifier
 
 
 @dataclass
 class WindowResult:
     tokens: list[list[int]]           # per sampling entry: accepted drafts, then one token
-    mtp_drafts: list | None = None    # per sampling entry: (tokens, probabilities) or None
+    stage_drafts: list[Draft] | None = None  # per sampling entry: the MTP layer's drafts
     logits: torch.Tensor | None = None  # [T, vocab] on the host, for logits_all windows only
     stage_seconds: list[float] = field(default_factory=list)  # each stage's compute time
 
 
 class WindowVerifier:
-    """Owns the sampler state (seeded generators) and the MTP drafter of the last stage."""
+    """The last stage's Verifier and MTP drafter."""
 
     def __init__(self, last: Stage, config: EngineConfig, max_context: int):
-        self.sampler = Sampler()
-        self.verifier = Verifier(self.sampler)
+        self.verifier = Verifier()
         self.simulate_acceptance = config.simulate_acceptance
         self.mtp = (MTPDrafter(last.module.mtp, last.mtp_cache, config.spec, config.spec_min_p,
                                max_context) if last.mtp_cache is not None else None)
 
-    def forget(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self.sampler.forget(request_id)
-
     def finish(self, header: WindowHeader, logits: torch.Tensor,
                hidden: torch.Tensor) -> WindowResult:
         """logits: the rows header.logits_idx() asks for; hidden: final-norm [T, hidden]."""
-        self.forget(header.forget)
         full = None
         if header.logits_all:
             full = logits.float().cpu()

@@ -1,8 +1,9 @@
-"""ModelRunner: the stages of a checkpoint in this process.
+"""The Runner interface, and ModelRunner: the stages of a checkpoint in this process.
 
-The stages run one after another, each on its own device; hidden states move between
-devices as the window goes. Windows queue in submission order and run when collected, so
-the engine drives this runner exactly like the stage processes (strata/pipeline/): submit
+A Runner takes windows in submission order and returns their results in the same order.
+ModelRunner's stages run one after another, each on its own device; hidden states move
+between devices as the window goes. Windows queue and run when collected, so the engine
+drives this runner exactly like the stage processes (strata/pipeline/runner.py): submit
 each idle group's window, collect the oldest result.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
+from typing import Protocol
 
 import torch
 from tqdm import tqdm
@@ -32,6 +34,26 @@ def check_device(device: torch.device) -> None:
                               f"{torch.cuda.device_count()} CUDA device(s)")
     elif device.type != "cpu":
         raise StrataError(f"device type '{device.type}' is not supported (use cpu or cuda:N)")
+
+
+class Runner(Protocol):
+    """What the Engine drives: ModelRunner here, PipelineRunner with stage processes."""
+
+    @property
+    def num_stages(self) -> int: ...
+
+    @property
+    def num_in_flight(self) -> int:
+        """Windows submitted and not collected yet."""
+
+    def submit(self, window: Window) -> None:
+        """Send a window on its way (it may run later, or start now elsewhere)."""
+
+    def collect(self) -> tuple[Window, WindowResult]:
+        """The oldest window in flight and its result."""
+
+    def close(self) -> None:
+        """Stop whatever runs the stages; the runner cannot be used afterwards."""
 
 
 class ModelRunner:
@@ -76,9 +98,6 @@ class ModelRunner:
         result = self.last.finish(header, logits, hidden)
         result.stage_seconds = seconds
         return window, result
-
-    def forget(self, request_id: str) -> None:
-        self.last.forget([request_id])
 
     def close(self) -> None:
         self._queue.clear()

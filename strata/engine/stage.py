@@ -14,6 +14,7 @@ from tqdm import tqdm
 from strata.errors import StrataError
 from strata.kvcache.cache import KVCache
 from strata.layers.forward_meta import ForwardMeta
+from strata.layers.mtp import MTPHead
 from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding
 from strata.models.registry import Architecture, get_architecture
@@ -37,9 +38,10 @@ class StageModule(nn.Module):
             self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if mtp:  # the MTP layer, sharing this stage's embedding (if any) and lm_head
-            from strata.spec.mtp import MTPHead
-            self.mtp = MTPHead(arch, self.rotary, self.model.embed_tokens if first else None,
-                               self.lm_head)
+            self.mtp = MTPHead(c.num_layers, arch.make_layer(c.num_layers, self.rotary),
+                               vocab=c.vocab_size, hidden=c.hidden_size, eps=c.rms_norm_eps,
+                               embed=self.model.embed_tokens if first else None,
+                               lm_head=self.lm_head)
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: KVCache):
         """x: token ids [T] on the first stage, else hidden [T, hidden].

@@ -17,7 +17,3 @@ class KVCache:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[index], self.values[index]
-
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()

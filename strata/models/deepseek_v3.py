@@ -4,12 +4,10 @@ layers a mixture of experts with sigmoid, group-limited routing and shared exper
 The checkpoint's decoder layers num_layers … num_layers + num_mtp_layers - 1 belong to
 the MTP module; `make_layer` builds them like any main MoE layer (the module's own
 enorm/hnorm/eh_proj/shared_head are not built here).
-Expert tensors are mapped by moe_weights.py.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from strata.errors import StrataError
@@ -19,8 +17,8 @@ from strata.layers.mlp import GatedMLP
 from strata.layers.moe import GroupedTopKRouter, SharedExpertMoE
 from strata.layers.rotary import RotaryEmbedding, rope_kind, yarn_mscale
 from strata.models.config import ModelConfig
-from strata.models.moe_weights import is_stacked_expert, stacked_experts
 from strata.models.registry import Architecture, register
+
 
 @register
 class DeepseekV3(Architecture):
@@ -43,11 +41,6 @@ class DeepseekV3(Architecture):
             v_head_dim=c.v_head_dim, cache_head_dim=c.head_dim,
             rotary=rotary.variant(c.qk_rope_head_dim, interleaved=c.rope_interleave),
             scale=mla_softmax_scale(c), bias=c.attention_bias)
-
-    def load_tensor(self, name, checkpoint) -> torch.Tensor:
-        if is_stacked_expert(name, checkpoint):
-            return stacked_experts(name, checkpoint, self.config.num_experts)
-        return super().load_tensor(name, checkpoint)
 
 
 def mla_softmax_scale(c: ModelConfig) -> float:

@@ -1,19 +1,17 @@
-"""Qwen3-MoE: Qwen3 attention with a top-k routed mixture of experts (no shared expert).
-Expert tensors are mapped by moe_weights.py.
-"""
+"""Qwen3-MoE: Qwen3 attention with a top-k routed mixture of experts (no shared
+expert). Stacked expert tensors are mapped by moe_weights.py."""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from strata.layers.decoder import DecoderLayer
 from strata.layers.mlp import GatedMLP
 from strata.layers.moe import SparseMoE
 from strata.layers.rotary import RotaryEmbedding
-from strata.models.moe_weights import is_stacked_expert, stacked_experts
 from strata.models.qwen3 import qwen3_attention
 from strata.models.registry import Architecture, register
+
 
 @register
 class Qwen3Moe(Architecture):
@@ -28,8 +26,3 @@ class Qwen3Moe(Architecture):
         else:
             mlp = GatedMLP(c.hidden_size, c.intermediate_size)
         return DecoderLayer(c.hidden_size, c.rms_norm_eps, qwen3_attention(c, rotary), mlp)
-
-    def load_tensor(self, name, checkpoint) -> torch.Tensor:
-        if is_stacked_expert(name, checkpoint):
-            return stacked_experts(name, checkpoint, self.config.num_experts)
-        return super().load_tensor(name, checkpoint)

@@ -15,6 +15,7 @@ from torch import nn
 from strata.errors import StrataError
 from strata.layers.rotary import RotaryEmbedding
 from strata.models.config import ModelConfig
+from strata.models.moe_weights import is_stacked_expert, stacked_experts
 
 if TYPE_CHECKING:
     from strata.weights.checkpoint import Checkpoint
@@ -41,6 +42,8 @@ class Architecture:
         """The checkpoint tensor for parameter `name` (Hugging Face naming)."""
         if name == "lm_head.weight" and not checkpoint.has(name):
             name = "model.embed_tokens.weight"  # tied embeddings
+        if is_stacked_expert(name, checkpoint):
+            return stacked_experts(name, checkpoint, self.config.num_experts)
         tensor = checkpoint.get(name)
         if checkpoint.format == "gguf":
             tensor = self.adapt_gguf_tensor(name, tensor)

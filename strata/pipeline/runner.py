@@ -55,7 +55,6 @@ class PipelineRunner:
         self.timeout = config.stage_timeout
         self.processes: list[multiprocessing.Process] = []
         self.pending = Pending()
-        self.forgotten: list[str] = []
         self.in_flight: deque[Window] = deque()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.last_progress = time.monotonic()
@@ -123,7 +122,6 @@ class PipelineRunner:
         if self.closed:
             raise StageFailure("the stage processes have stopped; restart the engine")
         header = window.header
-        header.forget, self.forgotten = self.forgotten, []
         if not self.in_flight:
             self.last_progress = time.monotonic()
         message = pack((WINDOW, header))
@@ -151,9 +149,6 @@ class PipelineRunner:
             self._fail(f"the connection to the last stage failed ({result}); " + AFTER_START)
         self.last_progress = time.monotonic()
         return self.in_flight.popleft(), result
-
-    def forget(self, request_id: str) -> None:
-        self.forgotten.append(request_id)
 
     def _receive(self) -> None:
         try:

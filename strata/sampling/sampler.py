@@ -1,9 +1,8 @@
 """Sampling: the processed distribution of a row of logits under its request's
-parameters (temperature, top-k, top-p, min-p), and the per-request generators.
+parameters (temperature, top-k, top-p, min-p).
 
 The Verifier draws every token from `processed_probs` (with the exponential-race trick:
-argmax of p / Exp(1) noise), with drafts or without, so there is one sampling path. The
-`Sampler` keeps the generators of seeded requests whose drafts carry distributions.
+argmax of p / Exp(1) noise), with drafts or without, so there is one sampling path.
 """
 
 from __future__ import annotations
@@ -11,23 +10,6 @@ from __future__ import annotations
 import torch
 
 from strata.sampling.params import SamplingParams
-
-
-class Sampler:
-    def __init__(self):
-        self._generators: dict[str, torch.Generator] = {}
-
-    def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
-
-    def generator(self, request_id: str, seed: int, device: torch.device) -> torch.Generator:
-        """The request's own generator, seeded once on first use and kept until `forget`."""
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(seed)
-            self._generators[request_id] = gen
-        return gen
 
 
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

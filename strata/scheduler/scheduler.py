@@ -18,12 +18,13 @@ from collections import deque
 
 import torch
 
-from strata.engine.request import Request, RequestStatus
+from strata.request import Request, RequestStatus
 from strata.kvcache.block_pool import BlockPool
 from strata.scheduler.slot import Slot
 from strata.scheduler.window import Window, WindowHeader
-from strata.spec.policy import DraftPolicy
-from strata.spec.verifier import VerifyEntry
+from strata.drafting.draft import Draft
+from strata.drafting.policy import DraftPolicy
+from strata.sampling.verifier import VerifyEntry
 
 
 class Scheduler:
@@ -169,19 +170,19 @@ class Scheduler:
                       drafts=[slot.draft for slot, _ in entries])
 
     def commit(self, window: Window, results: list[list[int]],
-               mtp_drafts: list[tuple[list[int], list[float]]] | None = None) -> list[Request]:
+               stage_drafts: list[Draft | None] | None = None) -> list[Request]:
         """Advance counts by the window and append each sampling entry's tokens (accepted
-        drafts plus one); keep the MTP drafts that came back for each sampling entry.
-        Returns the requests that received tokens."""
-        self.in_flight.discard(window.group)
+        drafts plus one); hand the drafts the last stage made for each sampling entry (MTP)
+        to the proposers. Returns the requests that received tokens."""
+        self.in_flight.discard(window.header.group)
         produced = iter(results)
-        mtp_produced = iter(mtp_drafts or [])
+        staged = iter(stage_drafts or [])
         updated = []
         for index, request, count, sample, draft in zip(
-                window.slots, window.requests, window.query_lens, window.samples, window.drafts):
+                window.slots, window.requests, window.header.query_lens, window.header.samples, window.drafts):
             slot = self.slots[index]
             tokens = next(produced) if sample else []
-            mtp = next(mtp_produced, None) if sample and mtp_drafts else None
+            drafted_on_stage = next(staged, None) if sample else None
             if slot.request is not request:  # aborted while the window was in flight
                 continue
             drafted = len(draft.tokens) if draft is not None else 0
@@ -196,9 +197,7 @@ class Scheduler:
             if self.drafts is not None:
                 if draft is not None:
                     self.drafts.record(request, draft, accepted)
-                self.drafts.committed(request, appended)
-                if mtp is not None and not request.finished:
-                    self.drafts.mtp.store(request.request_id, *mtp)
+                self.drafts.committed(request, appended, drafted_on_stage)
             if request.finished:
                 self._release(slot)
         return updated

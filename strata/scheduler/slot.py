@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from strata.engine.request import Request
+from strata.request import Request
 from strata.kvcache.block_pool import BlockPool, BlockTable
-from strata.spec.draft import Draft
+from strata.drafting.draft import Draft
 
 
 class Slot:

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from strata.engine.request import Request
+from strata.request import Request
 from strata.layers.forward_meta import ForwardMeta
-from strata.spec.draft import Draft
-from strata.spec.verifier import VerifyEntry
+from strata.drafting.draft import Draft
+from strata.sampling.verifier import VerifyEntry
 
 
 @dataclass
@@ -33,17 +33,11 @@ class WindowHeader:
     verify: list[VerifyEntry]      # one per sampling entry, in entry order
     following: list[int | None]    # per entry: the known token after a non-sampling entry's run
     logits_all: bool = False       # logits for every token (scoring), not only sampling entries
-    forget: list[str] = field(default_factory=list)  # finished requests: drop sampler state
     _metas: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
-
-    def entry_starts(self) -> list[int]:
-        """Position of each entry's first token."""
-        offsets = torch.cumsum(torch.tensor([0] + self.query_lens[:-1]), 0)
-        return self.positions[offsets].tolist()
 
     def num_rows(self, entry: int) -> int:
         """Logits rows of a sampling entry: its last known token and each draft."""
@@ -83,9 +77,3 @@ class Window:
     slots: list[int]              # slot index of each entry
     requests: list[Request]       # request of each entry
     drafts: list[Draft | None]    # drafts the entry carries after its last known token
-
-    # NOTE: the header's fields read through the window (window.group, window.query_lens).
-    def __getattr__(self, name: str):
-        if name == "header":
-            raise AttributeError(name)
-        return getattr(self.header, name)

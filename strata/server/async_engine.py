@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from strata.config import EngineConfig
-from strata.engine.request import Request
+from strata.request import Request
 from strata.errors import StrataError
 from strata.llm import LLM
 from strata.sampling.params import SamplingParams

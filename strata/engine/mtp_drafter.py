@@ -1,14 +1,12 @@
-"""MTP drafting on the last stage (DeepSeek-V3 / GLM-4.5 layout, `model.layers.{L}.*` with
-L = num_hidden_layers): the model's own multi-token-prediction layer.
+"""MTPDrafter: MTP drafts on the last stage, right after verification.
 
-After the verifier has decided a window, the MTP layer runs over every position the
-window committed: position p pairs the main model's final hidden state at p with the
-token at p + 1 (`eh_proj(cat(enorm(embed(t)), hnorm(h)))`, then the MTP decoder layer at
-position p + 1, then `shared_head.norm`), filling the layer's own KV cache. The output at
-each slot's last committed position predicts its first draft; further drafts chain by
-feeding the draft token with the MTP output hidden state one position on, until the draft
-probability falls below `--spec-min-p` or the chain reaches `--spec`. Drafts are greedy
-(point masses). Rejected positions are overwritten by the next window, as in the main model.
+The MTP layer runs over every position the window committed: position p pairs the main
+model's final hidden state at p with the token at p + 1, at position p + 1 of the layer's
+own KV cache. The output at each slot's last committed position predicts its first draft;
+further drafts chain by feeding the draft token with the MTP output hidden state one
+position on, until the draft probability falls below `--spec-min-p` or the chain reaches
+`--spec`. Drafts are greedy (point masses). Rejected positions are overwritten by the next
+window, as in the main model.
 """
 
 from __future__ import annotations
@@ -16,46 +14,12 @@ from __future__ import annotations
 import itertools
 
 import torch
-from torch import nn
 
+from strata.drafting.draft import Draft
 from strata.kvcache.cache import KVCache
 from strata.layers.forward_meta import ForwardMeta
-from strata.layers.norm import RMSNorm
-from strata.models.registry import Architecture
+from strata.layers.mtp import MTPHead
 from strata.scheduler.window import WindowHeader
-from strata.spec.draft import Draft
-
-
-class MTPHead(nn.Module):
-    """Parameters named as in the checkpoint under `mtp.` (the stage strips it on load)."""
-
-    def __init__(self, arch: Architecture, rotary, embed: nn.Embedding | None, lm_head: nn.Module):
-        super().__init__()
-        c = arch.config
-        self.index = c.num_layers
-        self.model = nn.Module()
-        self.model.embed_tokens = embed if embed is not None else nn.Embedding(
-            c.vocab_size, c.hidden_size)
-        layer = arch.make_layer(self.index, rotary)
-        layer.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        layer.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        layer.eh_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
-        layer.shared_head = nn.Module()
-        layer.shared_head.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.model.layers = nn.ModuleDict({str(self.index): layer})
-        self.lm_head = lm_head
-
-    @property
-    def layer(self) -> nn.Module:
-        return self.model.layers[str(self.index)]
-
-    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, meta: ForwardMeta,
-             cache: KVCache) -> torch.Tensor:
-        """tokens [N], previous hidden [N, h] -> MTP hidden [N, h] (after shared_head.norm)."""
-        layer = self.layer
-        x = layer.eh_proj(torch.cat((layer.enorm(self.model.embed_tokens(tokens)),
-                                     layer.hnorm(hidden)), dim=-1))
-        return layer.shared_head.norm(layer(x, meta, cache.layer(0)))
 
 
 class MTPDrafter:
@@ -68,10 +32,11 @@ class MTPDrafter:
 
     @torch.inference_mode()
     def draft(self, window: WindowHeader, results: list[list[int]],
-              hidden: torch.Tensor) -> list[tuple[list[int], list[float]]]:
+              hidden: torch.Tensor) -> list[Draft]:
         """hidden: the main model's final-norm hidden states of every window row.
         `window.following[e]` is the token after a non-sampling entry's last one.
-        Returns (tokens, probabilities) per sampling entry, in entry order."""
+        Returns each sampling entry's drafts, in entry order; a draft's scores are the
+        running products of its tokens' probabilities."""
         device = hidden.device
         rows, tokens, positions, lens = [], [], [], []
         sampling = []
@@ -97,7 +62,7 @@ class MTPDrafter:
                 sampling.append(e)
             offset += count
         alive = [i for i in sampling if lens[i] > 0]
-        drafts: dict[int, tuple[list[int], list[float]]] = {i: ([], []) for i in sampling}
+        drafts: dict[int, Draft] = {i: Draft([], [], "mtp") for i in sampling}
         if not rows:
             return [drafts[i] for i in sampling]
         ends = list(itertools.accumulate(lens))  # ends[e] - 1: entry e's last MTP row
@@ -114,9 +79,10 @@ class MTPDrafter:
             keep = [j for j, p in enumerate(best_l)
                     if p >= self.min_p and pos[j] + 1 < self.max_context]
             for j in keep:
-                drafts[alive[j]][0].append(token_l[j])
-                drafts[alive[j]][1].append(best_l[j])
-            if not keep or len(drafts[alive[keep[0]]][0]) >= self.max_drafts:
+                draft = drafts[alive[j]]
+                draft.tokens.append(token_l[j])
+                draft.scores.append(best_l[j] * (draft.scores[-1] if draft.scores else 1.0))
+            if not keep or len(drafts[alive[keep[0]]].tokens) >= self.max_drafts:
                 break  # every chain has the same length: one check tells
             alive = [alive[j] for j in keep]
             index = torch.tensor(keep, device=device)
@@ -137,35 +103,3 @@ class MTPDrafter:
                                  logits_idx=torch.zeros(0, dtype=torch.long),
                                  device=hidden.device)
         return self.head.step(tokens.to(hidden.device), hidden, meta, self.cache)
-
-
-class MTPProposer:
-    """The scheduler's side of MTP: it holds the drafts that came back with each slot's
-    last window results and proposes them for the slot's next window."""
-
-    name = "mtp"
-
-    def __init__(self):
-        self._drafts: dict[str, Draft] = {}
-
-    def start(self, request_id: str, prompt_ids: list[int]) -> None:
-        self._drafts.pop(request_id, None)
-
-    def extend(self, request_id: str, token_ids: list[int]) -> None:
-        self._drafts.pop(request_id, None)  # drafts are for the position just committed
-
-    def store(self, request_id: str, tokens: list[int], probs: list[float]) -> None:
-        scores, running = [], 1.0
-        for p in probs:
-            running *= p
-            scores.append(running)
-        self._drafts[request_id] = Draft(tokens, scores, self.name)
-
-    def propose(self, request_id: str, max_tokens: int) -> Draft | None:
-        draft = self._drafts.get(request_id)
-        if draft is None or not draft.tokens:
-            return None
-        return Draft(draft.tokens[:max_tokens], draft.scores[:max_tokens], self.name)
-
-    def finish(self, request_id: str) -> None:
-        self._drafts.pop(request_id, None)

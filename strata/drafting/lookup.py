@@ -13,7 +13,7 @@ Draft.scores carries, like every proposer's, the running product c(n) ** j for t
 from __future__ import annotations
 
 from strata.errors import StrataError
-from strata.spec.draft import Draft
+from strata.drafting.draft import Draft
 
 
 class _RequestState:
@@ -29,6 +29,7 @@ class _RequestState:
 
 class LookupProposer:
     name = "lookup"
+    on_last_stage = False
 
     def __init__(self, min_ngram: int = 2, max_ngram: int = 4, max_draft: int = 8):
         if not 1 <= min_ngram <= max_ngram:
@@ -49,7 +50,8 @@ class LookupProposer:
         self._requests[request_id] = _RequestState(self.max_ngram - self.min_ngram + 1)
         self.extend(request_id, prompt_ids)
 
-    def extend(self, request_id: str, token_ids: list[int]) -> None:
+    def extend(self, request_id: str, token_ids: list[int],
+               stage_drafts: Draft | None = None) -> None:
         state = self._requests[request_id]
         tokens, index, lo, hi = state.tokens, state.index, self.min_ngram, self.max_ngram
         for token in token_ids:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 
 from strata.errors import StrataError
-from strata.spec.draft import Draft
+from strata.drafting.draft import Draft
 
 
 class _Node:
@@ -235,6 +235,7 @@ class SuffixProposer:
     within max_depth tokens."""
 
     name = "suffix"
+    on_last_stage = False
 
     def __init__(self, max_depth: int = 64, max_draft: int = 32,
                  global_max_tokens: int = 200_000, min_score: float = 0.1):
@@ -261,7 +262,8 @@ class SuffixProposer:
         self.extend(request_id, prompt_ids)
         self._requests[request_id].prompt_len = len(prompt_ids)
 
-    def extend(self, request_id: str, token_ids: list[int]) -> None:
+    def extend(self, request_id: str, token_ids: list[int],
+               stage_drafts: Draft | None = None) -> None:
         state = self._requests[request_id]
         tokens = state.tokens
         for token in token_ids:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from strata.sampling.params import SamplingParams
-from strata.spec.stats import DraftStats
+from strata.drafting.stats import DraftStats
 
 _ids = itertools.count()
 

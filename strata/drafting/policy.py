@@ -10,9 +10,10 @@ wins. The policy also forwards each request's lifecycle to every proposer.
 
 from __future__ import annotations
 
-from strata.engine.request import Request
-from strata.spec.draft import Draft
-from strata.spec.stats import DraftStats
+from strata.drafting.draft import Draft
+from strata.drafting.proposer import Proposer
+from strata.drafting.stats import DraftStats
+from strata.request import Request
 
 EMA = 0.5             # weight of the newest window in the running acceptance
 MIN_RATE = 0.02       # a proposer that keeps failing stops drafting...
@@ -22,29 +23,32 @@ MAX_RATE = 2.0        # scores that prove pessimistic may be trusted up to twice
 
 
 class DraftPolicy:
-    def __init__(self, proposers: list, max_tokens: int, suffix_max: int, token_cost: float):
+    def __init__(self, proposers: list[Proposer], token_cost: float):
         self.proposers = proposers
-        self.max_tokens, self.suffix_max, self.token_cost = max_tokens, suffix_max, token_cost
+        self.token_cost = token_cost
         self._acceptance: dict[tuple[str, str], float] = {}
         self.stats = DraftStats()  # all requests together
 
     @property
-    def mtp(self):
-        """The MTP proposer, if drafting uses the model's MTP layer."""
-        return next((p for p in self.proposers if p.name == "mtp"), None)
+    def on_last_stage(self) -> bool:
+        """Some proposer's drafts are made by the model's last stage (its MTP layer)."""
+        return any(p.on_last_stage for p in self.proposers)
 
     @property
     def enabled(self) -> bool:
-        return bool(self.proposers) and self.max_tokens > 0
+        return bool(self.proposers)
 
     # -- lifecycle ------------------------------------------------------------------------
     def admitted(self, request: Request) -> None:
         for p in self.proposers:
             p.start(request.request_id, request.token_ids)
 
-    def committed(self, request: Request, token_ids: list[int]) -> None:
+    def committed(self, request: Request, token_ids: list[int],
+                  stage_drafts: Draft | None = None) -> None:
+        """`stage_drafts`: what the window's last stage drafted for the next window."""
         for p in self.proposers:
-            p.extend(request.request_id, token_ids)
+            p.extend(request.request_id, token_ids,
+                     stage_drafts if p.on_last_stage else None)
 
     def finished(self, request: Request) -> None:
         for p in self.proposers:
@@ -54,13 +58,13 @@ class DraftPolicy:
 
     # -- drafting -------------------------------------------------------------------------
     def draft(self, request: Request, room: int) -> Draft | None:
-        """The best draft for the request's next window, at most `room` tokens."""
+        """The best draft for the request's next window, at most `room` tokens (each
+        proposer also keeps to its own limit)."""
+        if room <= 0:
+            return None
         best, best_gain = None, 0.0
         for p in self.proposers:
-            cap = min(room, self.suffix_max if p.name == "suffix" else self.max_tokens)
-            if cap <= 0:
-                continue
-            draft = p.propose(request.request_id, cap)
+            draft = p.propose(request.request_id, room)
             if not draft or not draft.tokens:
                 continue
             key = (request.request_id, p.name)
@@ -68,7 +72,7 @@ class DraftPolicy:
             if rate < 1.0:
                 self._acceptance[key] = min(1.0, rate + RECOVERY)
             length, gain = 0, 0.0
-            for score in draft.scores[:cap]:
+            for score in draft.scores[:room]:
                 worth = min(1.0, rate * score)
                 if worth <= self.token_cost:
                     break
@@ -96,8 +100,8 @@ class SimulatedPolicy(DraftPolicy):
     For speed studies on random-weight models, whose own drafts never match."""
 
     def __init__(self, max_tokens: int, probability: float):
-        super().__init__([], max_tokens, max_tokens, 0.0)
-        self.probability = probability
+        super().__init__([], 0.0)
+        self.max_tokens, self.probability = max_tokens, probability
         self.stats.simulated = True
 
     @property

@@ -8,29 +8,33 @@ from collections.abc import Callable
 from strata.config import EngineConfig
 from strata.errors import StrataError
 from strata.models.config import ModelConfig
-from strata.spec.policy import DraftPolicy, SimulatedPolicy
+from strata.drafting.policy import DraftPolicy, SimulatedPolicy
+from strata.drafting.proposer import Proposer
 
 
-def _suffix(config: EngineConfig):
-    from strata.spec.suffix_tree import SuffixProposer
+def _suffix(config: EngineConfig) -> Proposer | None:
+    from strata.drafting.suffix_tree import SuffixProposer
+    if config.spec_suffix_max == 0:
+        return None
     # NOTE: depth 32 keeps the tree's memory (nodes per token of repetitive output) and the
     # cost of adding a finished output to the global tree bounded.
-    return SuffixProposer(max_draft=max(config.spec_suffix_max, config.spec), max_depth=32,
+    return SuffixProposer(max_draft=config.spec_suffix_max, max_depth=32,
                           global_max_tokens=config.spec_suffix_global)
 
 
-def _lookup(config: EngineConfig):
-    from strata.spec.lookup import LookupProposer
+def _lookup(config: EngineConfig) -> Proposer:
+    from strata.drafting.lookup import LookupProposer
     return LookupProposer(min_ngram=config.lookup_min, max_ngram=config.lookup_max,
-                          max_draft=max(config.spec, 1))
+                          max_draft=config.spec)
 
 
-def _mtp(config: EngineConfig):
-    from strata.spec.mtp import MTPProposer
-    return MTPProposer()
+def _mtp(config: EngineConfig) -> Proposer:
+    from strata.drafting.mtp import MTPProposer
+    return MTPProposer()  # the chain's length (--spec) is kept on the last stage
 
 
-PROPOSERS: dict[str, Callable[[EngineConfig], object]] = {
+# Each builder returns None where the settings turn its proposer off.
+PROPOSERS: dict[str, Callable[[EngineConfig], Proposer | None]] = {
     "suffix": _suffix, "lookup": _lookup, "mtp": _mtp}
 
 
@@ -50,5 +54,5 @@ def build_policy(config: EngineConfig, model: ModelConfig) -> DraftPolicy | None
         if name not in supported(model):
             raise StrataError(f"--spec-type {name} is not available for this model; "
                               f"available: {', '.join(supported(model))}")
-    proposers = [PROPOSERS[name](config) for name in names]
-    return DraftPolicy(proposers, config.spec, config.spec_suffix_max, config.spec_token_cost)
+    proposers = [p for p in (PROPOSERS[name](config) for name in names) if p is not None]
+    return DraftPolicy(proposers, config.spec_token_cost)

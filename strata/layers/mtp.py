@@ -1,0 +1,49 @@
+"""MTPHead: a model's multi-token-prediction layer (DeepSeek-V3 / GLM-4.5 layout,
+`model.layers.{L}.*` with L = num_hidden_layers).
+
+One step pairs a token with the previous hidden state: `eh_proj(cat(enorm(embed(t)),
+hnorm(h)))`, then the MTP decoder layer, then `shared_head.norm`. It shares the stage's
+embedding (when the stage has one) and lm_head. Who runs it and when is the drafter's
+business (engine/mtp_drafter.py); this module only computes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from strata.kvcache.cache import KVCache
+from strata.layers.forward_meta import ForwardMeta
+from strata.layers.norm import RMSNorm
+
+
+class MTPHead(nn.Module):
+    """Parameters named as in the checkpoint under `mtp.` (the stage strips it on load)."""
+
+    def __init__(self, index: int, layer: nn.Module, *, vocab: int, hidden: int, eps: float,
+                 embed: nn.Embedding | None, lm_head: nn.Module):
+        """`layer`: the architecture's decoder layer number `index` (= the main model's
+        layer count); `embed`: the stage's embedding, if it has one."""
+        super().__init__()
+        self.index = index
+        self.model = nn.Module()
+        self.model.embed_tokens = embed if embed is not None else nn.Embedding(vocab, hidden)
+        layer.enorm = RMSNorm(hidden, eps)
+        layer.hnorm = RMSNorm(hidden, eps)
+        layer.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        layer.shared_head = nn.Module()
+        layer.shared_head.norm = RMSNorm(hidden, eps)
+        self.model.layers = nn.ModuleDict({str(self.index): layer})
+        self.lm_head = lm_head
+
+    @property
+    def layer(self) -> nn.Module:
+        return self.model.layers[str(self.index)]
+
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, meta: ForwardMeta,
+             cache: KVCache) -> torch.Tensor:
+        """tokens [N], previous hidden [N, h] -> MTP hidden [N, h] (after shared_head.norm)."""
+        layer = self.layer
+        x = layer.eh_proj(torch.cat((layer.enorm(self.model.embed_tokens(tokens)),
+                                     layer.hnorm(hidden)), dim=-1))
+        return layer.shared_head.norm(layer(x, meta, cache.layer(0)))

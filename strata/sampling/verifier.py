@@ -1,0 +1,137 @@
+"""Verifier: per entry of a window, which drafts are accepted, plus one more token.
+
+An entry is one slot's run `[last accepted token, d1..dk]` (k may be 0, which is plain
+sampling). Its k+1 logits rows are contiguous; row j is the model's distribution for the
+token after the entry's j-th token.
+
+- Greedy entries accept the longest prefix with d_{j+1} == argmax(row j), then add the
+  argmax of the row after the last accepted draft (the correction, or the bonus).
+- Sampled entries draw one token from each row's processed distribution p
+  (`processed_probs`) and accept drafts while the draws equal them. Every proposer's drafts
+  are point masses (MTP's chain is greedy), so this is rejection sampling with q = one-hot(d):
+  a draft is accepted with probability p(d), and after a rejection the draw is distributed
+  as p without d, renormalised. The output is distributed exactly as the model's own. The
+  noise of the draw for the token at position t of a seeded request depends only on (seed,
+  t), so a seeded request gives the same text with or without drafts.
+
+The Verifier does not count, commit or touch the KV cache: the scheduler does. Its one
+host read is the final `.tolist()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.sampling.params import SamplingParams
+from strata.sampling.sampler import processed_probs
+
+_TINY = 1e-30  # keeps p / noise finite where the noise is 0
+
+
+@dataclass
+class VerifyEntry:
+    params: SamplingParams
+    request_id: str
+    draft: list[int]                          # d1..dk (k may be 0), point masses
+    position: int = 0                         # position of the token row 0 decides
+
+
+class Verifier:
+    def verify(self, logits: torch.Tensor, entries: list[VerifyEntry]) -> list[list[int]]:
+        """logits: [sum(k_i + 1), V], rows of entry i contiguous and in entry order.
+        Returns per entry the accepted drafts followed by one more token (length a_i + 1)."""
+        num_rows = sum(len(e.draft) + 1 for e in entries)
+        if logits.dim() != 2 or logits.shape[0] != num_rows:
+            raise ValueError(f"verify: logits {tuple(logits.shape)} do not match the entries' "
+                             f"{num_rows} rows (k + 1 per entry)")
+        if not entries:
+            return []
+        layout = _Layout(entries, logits.device)
+        sampled = [i for i, e in enumerate(entries) if not e.params.greedy]
+        if len(sampled) == len(entries):
+            accepted, token = self._sample_and_match(logits, entries, layout)
+        else:
+            top = logits.argmax(dim=-1)                                  # [R]
+            match = (top[layout.rows] == layout.drafts) & layout.valid   # [N, K]
+            accepted = match.long().cumprod(dim=1).sum(dim=1)            # [N]
+            token = top[layout.starts + accepted]                        # [N]
+            if sampled:  # a mixed batch: the sampled entries' rows, verified apart
+                sub = [entries[i] for i in sampled]
+                rows = [layout.start_list[i] + j for i in sampled
+                        for j in range(len(entries[i].draft) + 1)]
+                index = torch.tensor(sampled).to(logits.device, non_blocking=True)
+                sub_logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
+                sub_accepted, sub_token = self._sample_and_match(sub_logits, sub,
+                                                                 _Layout(sub, logits.device))
+                accepted = accepted.index_copy(0, index, sub_accepted)
+                token = token.index_copy(0, index, sub_token)
+        counts, tokens = torch.stack([accepted, token]).tolist()  # NOTE: the one host read
+        return [e.draft[:a] + [t] for e, a, t in zip(entries, counts, tokens)]
+
+    def simulate(self, logits: torch.Tensor, entries: list[VerifyEntry],
+                 probability: float) -> list[list[int]]:
+        """`--simulate-acceptance`: each draft is accepted with `probability` regardless of
+        the model (a leading run of successes); the next token is the model's own draw at
+        the row after the accepted ones."""
+        if not entries:
+            return []
+        layout = _Layout(entries, logits.device)
+        draws = self._draws(logits, entries)
+        success = torch.rand(len(entries), layout.K, device=logits.device) < probability
+        accepted = (success & layout.valid).long().cumprod(dim=1).sum(dim=1)
+        counts, tokens = torch.stack([accepted, draws[layout.starts + accepted]]).tolist()
+        return [e.draft[:a] + [t] for e, a, t in zip(entries, counts, tokens)]
+
+    @classmethod
+    def _sample_and_match(cls, logits: torch.Tensor, entries: list[VerifyEntry],
+                          layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Point-mass drafts: one draw per row, drafts accepted while they equal the draws."""
+        draws = cls._draws(logits, entries)                            # [R]
+        match = (draws[layout.rows] == layout.drafts) & layout.valid
+        accepted = match.long().cumprod(dim=1).sum(dim=1)            # [N]
+        return accepted, draws[layout.starts + accepted]
+
+    @staticmethod
+    def _draws(logits: torch.Tensor, entries: list[VerifyEntry]) -> torch.Tensor:
+        """One token per row from its processed distribution; a seeded request's row for
+        position t uses noise keyed by (seed, t)."""
+        row_params = [e.params for e in entries for _ in range(len(e.draft) + 1)]
+        probs = processed_probs(logits, row_params)                  # [R, V]
+        noise = torch.empty_like(probs).exponential_()
+        row = 0
+        for e in entries:
+            for j in range(len(e.draft) + 1):
+                if e.params.seed is not None:
+                    noise[row].exponential_(generator=position_generator(
+                        e.params.seed, e.position + j, probs.device))
+                row += 1
+        return (probs / noise.clamp_min(_TINY)).argmax(dim=-1)      # [R]
+
+
+def position_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    """The generator of a seeded request's draw for the token at `position`."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + position) % (2 ** 63))
+    return gen
+
+
+class _Layout:
+    """Where each entry's rows and drafts are, as small device tensors built in one copy."""
+
+    def __init__(self, entries: list[VerifyEntry], device: torch.device):
+        ks = [len(e.draft) for e in entries]
+        self.K = max(ks)
+        self.start_list: list[int] = []
+        table, row = [], 0
+        for e, k in zip(entries, ks):
+            table.append([row, k] + e.draft + [0] * (self.K - k))
+            self.start_list.append(row)
+            row += k + 1
+        t = torch.tensor(table, dtype=torch.long).to(device, non_blocking=True)  # [N, 2 + K]
+        self.starts, self.ks = t[:, 0], t[:, 1]
+        self.drafts = t[:, 2:]                                      # [N, K], padded with 0
+        j = torch.arange(self.K, device=device)
+        self.valid = j[None, :] < self.ks[:, None]                  # [N, K]
+        self.rows = torch.where(self.valid, self.starts[:, None] + j, self.starts[:, None])
