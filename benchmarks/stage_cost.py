@@ -22,10 +22,10 @@ import torch
 
 from strata.bench.report import append_result, commit, machine, markdown_table
 from strata.cli import add_engine_flags, engine_config
+from strata.drafting.draft import Draft
 from strata.engine.engine import Engine
 from strata.errors import StrataError
 from strata.sampling.params import SamplingParams
-from strata.drafting.draft import Draft
 
 
 def stage_inputs(engine: Engine, width: int, context: int) -> list:

@@ -48,6 +48,9 @@ class EngineConfig:
     stage_timeout: float = field(default=20.0, metadata=_opt(
         "seconds a window may take in the stage processes before they are declared hung "
         "and in-flight requests fail"))
+    attention_backend: str = field(default="reference", metadata=_opt(
+        "attention kernels every stage uses: reference (gather-then-SDPA in PyTorch, any "
+        "device)"))
     dtype: str = field(default="auto", metadata=_opt(
         "weight and activation dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16, fp16"))
     kv: str = field(default="auto", metadata=_opt(
@@ -85,6 +88,10 @@ class EngineConfig:
             raise StrataError(f"--dtype {self.dtype} is not one of auto, {', '.join(DTYPES)}")
         if self.kv not in ("auto", *DTYPES):
             raise StrataError(f"--kv {self.kv} is not one of auto, {', '.join(DTYPES)}")
+        from strata.attention import backend_names
+        if self.attention_backend not in backend_names():
+            raise StrataError(f"--attention-backend {self.attention_backend} does not exist; "
+                              f"available: {', '.join(backend_names())}")
         for name in ("parallel", "max_window_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise StrataError(f"--{name.replace('_', '-')} must be at least 1 "

@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 
 from strata.config import EngineConfig
 from strata.engine.engine import Engine
-from strata.request import Request
+from strata.request import DraftStats, Request
 from strata.sampling.params import SamplingParams
-from strata.drafting.stats import DraftStats
 from strata.tokenizer import Tokenizer
 from strata.tokenizer.detokenize import IncrementalDetokenizer
 from strata.weights.checkpoint import open_checkpoint

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata.errors import StrataError
 from strata.drafting.lookup import LookupProposer
+from strata.errors import StrataError
 
 
 def brute_force(tokens: list[int], lo: int, hi: int, limit: int) -> tuple[list[int], int] | None:

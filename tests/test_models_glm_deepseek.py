@@ -7,20 +7,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from conftest import prompts
+from safetensors.torch import save_file
+from test_logits import assert_logits_close, reference_greedy
+
+from strata.attention import AttentionBatch, get_backend
 from strata.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.errors import StrataError
-from strata.kvcache.cache import KVCache
+from strata.kvcache.cache import allocate
+from strata.kvcache.spec import CacheSize
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.rotary import RotaryEmbedding
 from strata.models.config import ModelConfig
 from strata.models.registry import get_architecture
 from strata.sampling.params import SamplingParams
 from strata.weights.hf_checkpoint import HFCheckpoint
-from test_logits import assert_logits_close, reference_greedy
+from strata.weights.loader import load_module
 
 BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
             num_attention_heads=4, max_position_embeddings=512, initializer_range=0.08,
@@ -144,22 +147,24 @@ def test_mtp_decoder_layer_loads_and_matches(tiny, kind):
     assert c.num_mtp_layers == 1 and c.num_layers == 3
     arch = get_architecture(c)
     rotary = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, c.rope_scaling)
-    layer = arch.make_layer(c.num_layers, rotary)
-    with torch.no_grad():
-        for name, param in layer.named_parameters():
-            param.copy_(arch.load_tensor(f"model.layers.{c.num_layers}.{name}", checkpoint))
+    with torch.device("meta"):
+        layer = arch.make_layer(c.num_layers, rotary)
+    rotary.reset(torch.device("cpu"))  # its variants were made on the meta device too
+    load_module(layer, checkpoint, arch, device=torch.device("cpu"), dtype=torch.float32,
+                checkpoint_name=lambda name: f"model.layers.{c.num_layers}.{name}")
     assert any("experts" in name for name, _ in layer.named_parameters())  # a MoE layer
 
     tokens, block = 21, 8
     x = torch.randn(1, tokens, c.hidden_size, generator=torch.Generator().manual_seed(5))
     positions = torch.arange(tokens)
     blocks = (tokens + block - 1) // block
-    meta = ForwardMeta.build(query_lens=[tokens], positions=positions, slot_mapping=positions,
-                             block_tables=torch.arange(blocks)[None], block_size=block,
-                             logits_idx=torch.tensor([tokens - 1]), device="cpu")
-    cache = KVCache(1, blocks, block, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+    batch = AttentionBatch([tokens], positions, positions, torch.arange(blocks)[None], block)
+    meta = ForwardMeta.build(batch, get_backend("reference"), torch.device("cpu"),
+                             logits_idx=torch.tensor([tokens - 1]))
+    cache = allocate(arch.cache_spec(c.num_layers), CacheSize(blocks, block, 0), torch.float32,
+                     "cpu")
     with torch.no_grad():
-        ours = layer(x[0], meta, cache.layer(0))
+        ours = layer(x[0], meta, cache)
         ref = mtp(x, attention_mask=None, position_ids=positions[None],
                   position_embeddings=model.model.rotary_emb(x, positions[None]))[0]
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-4 * ref.abs().max().item())
@@ -187,7 +192,7 @@ def test_router_stays_float32_in_bf16(tiny):
     moe = engine.runner.stages[0].module.model.layers["1"].mlp
     assert moe.experts.gate_proj.dtype == torch.bfloat16
     assert moe.gate.weight.dtype == moe.gate.e_score_correction_bias.dtype == torch.float32
-    bias = HFCheckpoint(folder).get("model.layers.1.mlp.gate.e_score_correction_bias")
+    bias = HFCheckpoint(folder).read("model.layers.1.mlp.gate.e_score_correction_bias").data
     assert torch.equal(moe.gate.e_score_correction_bias, bias)
 
 

@@ -3,10 +3,10 @@ the larger expected gain wins, and a proposer that keeps failing backs off and i
 
 from __future__ import annotations
 
-from strata.request import Request
-from strata.sampling.params import SamplingParams
 from strata.drafting.draft import Draft
 from strata.drafting.policy import DraftPolicy
+from strata.request import Request
+from strata.sampling.params import SamplingParams
 
 
 class Fixed:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.request import Request
 from strata.kvcache.block_pool import BlockPool, BlockTable
+from strata.request import Request
 from strata.sampling.params import SamplingParams
 from strata.scheduler.scheduler import Scheduler
 
@@ -111,7 +111,7 @@ def test_decoding_slot_goes_before_an_earlier_slots_prompt():
     c = make(20)
     sched.add(c)  # takes slot 0, freed by a
     window = sched.schedule()
-    assert window.slots == [1, 0] and window.requests == [b, c]
+    assert window.header.slots == [1, 0] and window.requests == [b, c]
     assert window.header.query_lens == [1, 3] and window.header.samples == [True, False]
 
 
@@ -156,7 +156,7 @@ def test_drafts_are_tokens_and_rejection_rolls_back_by_position():
     w2 = sched.schedule()  # last token 40 at position 5, then 4 drafts (capped by --spec 4)
     assert w2.header.token_ids.tolist() == [40, 50, 51, 52, 53]
     assert w2.header.positions.tolist() == [5, 6, 7, 8, 9]
-    assert w2.header.logits_idx_of_samples().tolist() == [0, 1, 2, 3, 4]
+    assert w2.header.sample_rows.tolist() == [0, 1, 2, 3, 4]
     sched.commit(w2, [[50, 51, 60]])  # two drafts accepted, then a correction
     assert request.output_ids == [40, 50, 51, 60]
     assert sched.slots[0].num_computed == 8  # positions 5,6,7 hold 40,50,51; 8,9 are stale
@@ -198,9 +198,9 @@ def test_groups_pipeline_one_window_each_and_admit_into_the_scheduled_group():
     for request in (a, b, c):
         sched.add(request)
     w0 = sched.schedule()  # group 0 admits a and b into its slots 0 and 2
-    assert w0.header.group == 0 and w0.slots == [0, 2] and w0.requests == [a, b]
+    assert w0.header.group == 0 and w0.header.slots == [0, 2] and w0.requests == [a, b]
     w1 = sched.schedule()  # group 1 admits c
-    assert w1.header.group == 1 and w1.slots == [1] and w1.requests == [c]
+    assert w1.header.group == 1 and w1.header.slots == [1] and w1.requests == [c]
     assert sched.schedule() is None  # both groups in flight
     sched.commit(w1, [[7]])
     w1 = sched.schedule()  # only group 1 is idle: c decodes at position 3

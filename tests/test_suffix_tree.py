@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata.errors import StrataError
 from strata.drafting.suffix_tree import SuffixProposer, SuffixTrie
+from strata.errors import StrataError
 
 A, B, C, D, E = 1, 2, 3, 4, 5
 

@@ -12,8 +12,8 @@ Draft.scores carries, like every proposer's, the running product c(n) ** j for t
 
 from __future__ import annotations
 
-from strata.errors import StrataError
 from strata.drafting.draft import Draft
+from strata.errors import StrataError
 
 
 class _RequestState:

@@ -1,5 +1,5 @@
 """MTPProposer: the scheduler's side of MTP drafts. The drafts themselves are made on the
-last stage by the model's MTP layer (engine/mtp_drafter.py) and come back with each
+last stage by the model's MTP layer (stage/mtp_drafter.py) and come back with each
 window's result; this proposer holds them until the slot's next window."""
 
 from __future__ import annotations

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from strata.drafting.draft import Draft
 from strata.drafting.proposer import Proposer
-from strata.drafting.stats import DraftStats
-from strata.request import Request
+from strata.request import DraftStats, Request
 
 EMA = 0.5             # weight of the newest window in the running acceptance
 MIN_RATE = 0.02       # a proposer that keeps failing stops drafting...

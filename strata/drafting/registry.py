@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from strata.config import EngineConfig
-from strata.errors import StrataError
-from strata.models.config import ModelConfig
 from strata.drafting.policy import DraftPolicy, SimulatedPolicy
 from strata.drafting.proposer import Proposer
+from strata.errors import StrataError
+from strata.models.config import ModelConfig
 
 
 def _suffix(config: EngineConfig) -> Proposer | None:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from strata.errors import StrataError
 from strata.drafting.draft import Draft
+from strata.errors import StrataError
 
 
 class _Node:

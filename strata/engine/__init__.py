@@ -1,3 +1,3 @@
-"""The engine: stages that execute windows, the runner that sends windows through them in
-this process (stage processes are in strata/pipeline/), the last stage's verify-and-draft
-step, and the Engine loop (scheduler -> stages -> verifier -> scheduler)."""
+"""The Engine loop: scheduler -> runner (the stages) -> scheduler. It chooses the runner
+(the stages in this process, strata/stage/, or one process per stage, strata/pipeline/)
+and commits each window's result."""

@@ -14,13 +14,14 @@ import time
 import torch
 
 from strata.config import EngineConfig
-from strata.request import Request
-from strata.engine.runner import ModelRunner, Runner
+from strata.drafting.registry import build_policy
 from strata.errors import StrataError
+from strata.kvcache.spec import state_rows_per_slot
+from strata.models.registry import get_architecture
+from strata.request import DraftStats, Request
 from strata.sampling.params import SamplingParams
 from strata.scheduler.scheduler import Scheduler
-from strata.drafting.registry import build_policy
-from strata.drafting.stats import DraftStats
+from strata.stage.runner import ModelRunner, Runner
 from strata.weights.checkpoint import open_checkpoint
 
 
@@ -35,10 +36,17 @@ class Engine:
                               f"context of {self.model_config.max_position} tokens; lower it")
         policy = build_policy(config, self.model_config)
         use_mtp = policy is not None and policy.on_last_stage
+        arch = get_architecture(self.model_config)
+        rows_per_slot = state_rows_per_slot(
+            arch.cache_spec(i) for i in range(self.model_config.num_layers + use_mtp))
+        if rows_per_slot and policy is not None:
+            raise StrataError("this model keeps per-slot state in some layers, which drafts "
+                              "cannot roll back yet; run it with --spec 0")
         self.scheduler = Scheduler(config.parallel, self.max_context, config.max_window_tokens,
                                    config.block_size, policy,
-                                   lookahead=1 + config.spec if use_mtp else 0,
-                                   num_groups=config.num_groups())
+                                   mtp_drafts=config.spec if use_mtp else 0,
+                                   num_groups=config.num_groups(),
+                                   state_rows_per_slot=rows_per_slot)
         self.draft_stats = (self.scheduler.drafts.stats if self.scheduler.drafts is not None
                             else DraftStats())  # every request's drafts together
         if config.stage_processes:
@@ -46,8 +54,8 @@ class Engine:
             runner = PipelineRunner
         else:
             runner = ModelRunner
-        self.runner: Runner = runner(config, self.checkpoint, self.scheduler.pool.num_blocks,
-                             self.max_context, mtp=use_mtp)
+        self.runner: Runner = runner(config, self.checkpoint, self.scheduler.cache_size,
+                                     mtp=use_mtp)
         self.stage_seconds = [0.0] * self.runner.num_stages  # compute time of each stage
         self.scheduler_seconds = 0.0  # time in step() outside collect: scheduling, commits
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)

@@ -1,7 +1,11 @@
-"""Paged KV cache: the BlockPool and BlockTables the scheduler owns, and the cache
-tensors each stage holds for its own layers."""
+"""What layers keep between windows. The scheduler's side: BlockPool/BlockTable (paged KV
+blocks) and RowPool (per-slot state rows); the stages' side: the cache tensors of each
+layer, allocated from its CacheSpec."""
 
-from strata.kvcache.block_pool import BlockPool, BlockTable
-from strata.kvcache.cache import KVCache
+from strata.kvcache.block_pool import BlockPool, BlockTable, RowPool, cache_rows
+from strata.kvcache.cache import PagedKVCache, SlotStateCache, allocate
+from strata.kvcache.spec import (CacheSize, CacheSpec, PagedKVSpec, SlotStateSpec,
+                                 state_rows_per_slot)
 
-__all__ = ["BlockPool", "BlockTable", "KVCache"]
+__all__ = ["BlockPool", "BlockTable", "CacheSize", "CacheSpec", "PagedKVCache", "PagedKVSpec", "RowPool",
+           "SlotStateCache", "SlotStateSpec", "allocate", "cache_rows", "state_rows_per_slot"]

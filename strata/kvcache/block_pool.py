@@ -1,7 +1,8 @@
-"""BlockPool and BlockTable: which cache blocks belong to which slot.
+"""BlockPool and BlockTable: which KV blocks belong to which slot; RowPool: which per-slot
+state rows; `cache_rows`: where a position lives through a block table.
 
-Owned by the scheduler alone. Every stage holds a cache with the same number of blocks,
-so one block id names the same rows in every stage's layers.
+Owned by the scheduler alone. Every stage holds caches with the same number of blocks
+and rows, so one block id (or row id) names the same place in every stage's layers.
 """
 
 from __future__ import annotations
@@ -11,13 +12,19 @@ import torch
 from strata.errors import StrataError
 
 
-class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks < 1 or block_size < 1:
-            raise StrataError(f"the KV cache needs at least one block of one token "
-                              f"(got {num_blocks} blocks of {block_size})")
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+def cache_rows(block_table: torch.Tensor, positions: torch.Tensor,
+               block_size: int) -> torch.Tensor:
+    """Flat cache rows (block * block_size + offset) of `positions` [P] through
+    `block_table` [..., max blocks]: [..., P]. The one place this formula lives."""
+    return block_table[..., positions // block_size] * block_size + positions % block_size
+
+
+class RowPool:
+    """Ids 0..size-1 handed out and taken back; low ids first."""
+
+    def __init__(self, size: int, what: str = "state rows"):
+        self.size, self.what = size, what
+        self._free = list(range(size - 1, -1, -1))  # pop() hands out low ids first
 
     @property
     def num_free(self) -> int:
@@ -25,11 +32,20 @@ class BlockPool:
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
-            raise RuntimeError(f"block pool exhausted: {count} wanted, {len(self._free)} free")
+            raise RuntimeError(f"{self.what} exhausted: {count} wanted, {len(self._free)} free")
         return [self._free.pop() for _ in range(count)]
 
-    def release(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+    def release(self, ids: list[int]) -> None:
+        self._free.extend(reversed(ids))
+
+
+class BlockPool(RowPool):
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise StrataError(f"the KV cache needs at least one block of one token "
+                              f"(got {num_blocks} blocks of {block_size})")
+        super().__init__(num_blocks, "block pool")
+        self.num_blocks, self.block_size = num_blocks, block_size
 
 
 class BlockTable:
@@ -48,9 +64,8 @@ class BlockTable:
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         """Cache rows of positions start..end-1, as a [end - start] tensor."""
-        size = self.pool.block_size
-        positions = torch.arange(start, end)
-        return torch.tensor(self.blocks)[positions // size] * size + positions % size
+        return cache_rows(torch.tensor(self.blocks, dtype=torch.long),
+                          torch.arange(start, end), self.pool.block_size)
 
     def clear(self) -> None:
         self.pool.release(self.blocks)

@@ -1,19 +1,41 @@
-"""KVCache: the key and value tensors of one stage's layers on that stage's device.
+"""The cache tensors of one layer on its stage's device, allocated from the layer's spec.
 
-Rows are addressed flat (block * block_size + offset); zero-initialised so that a
-masked-out row read during attention is a finite number."""
+PagedKVCache rows are addressed flat (block * block_size + offset); SlotStateCache rows by
+the row ids the scheduler gave each slot. Both are zero-initialised, so that a masked-out
+row read during attention is a finite number. A row keeps what its previous slot left:
+a layer with per-slot state starts a sequence afresh where its run begins at position 0.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from strata.kvcache.spec import CacheSize, CacheSpec, PagedKVSpec, SlotStateSpec
 
-class KVCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[index], self.values[index]
+class PagedKVCache:
+    def __init__(self, spec: PagedKVSpec, num_rows: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        shape = (num_rows, spec.num_kv_heads, spec.head_dim)
+        self.key = torch.zeros(shape, dtype=dtype, device=device)    # [rows, Hkv, D]
+        self.value = torch.zeros(shape, dtype=dtype, device=device)
+
+
+class SlotStateCache:
+    def __init__(self, spec: SlotStateSpec, num_rows: int, device: torch.device | str):
+        self.tensors = [torch.zeros((num_rows, *shape), dtype=spec.dtype, device=device)
+                        for shape in spec.shapes]                    # [rows, *shape] each
+
+
+Cache = PagedKVCache | SlotStateCache
+
+
+def allocate(spec: CacheSpec, size: CacheSize, kv_dtype: torch.dtype,
+             device: torch.device | str) -> Cache:
+    """One layer's cache: `size.num_blocks` blocks of KV, or `size.num_state_rows` rows of
+    state."""
+    if isinstance(spec, PagedKVSpec):
+        return PagedKVCache(spec, size.num_blocks * size.block_size, kv_dtype, device)
+    if isinstance(spec, SlotStateSpec):
+        return SlotStateCache(spec, size.num_state_rows, device)
+    raise TypeError(f"unknown cache spec {spec!r}")

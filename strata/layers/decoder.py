@@ -1,10 +1,11 @@
 """The pre-norm decoder layer shared by llama-family architectures:
-x + attn(norm(x)), then h + mlp(norm(h)). The attention and MLP are supplied by the
-architecture file."""
+x + attn(norm(x)), then h + mlp(norm(h)). The attention (or any token mixer that keeps
+its state in the layer's cache) and the MLP are supplied by the architecture file."""
 
 import torch
 from torch import nn
 
+from strata.kvcache.cache import Cache
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.norm import RMSNorm
 
@@ -17,7 +18,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, meta: ForwardMeta,
-                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), meta, kv)
+    def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: Cache) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), meta, cache)
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -8,7 +8,7 @@ are rotated.
 
 NOTE: the cache holds the decompressed per-head keys and values ([rows, H, D] with
 D = max(qk_head_dim, v_head_dim), the narrower of them zero-padded), so MLA runs through
-the same `paged_attention` as every other layer; zero dims change neither q·k nor the
+the same attention backend as every other layer; zero dims change neither q·k nor the
 values' real dims. Caching the latent instead would be ~H*D*2 / (kv_lora_rank + rope)
 times smaller, and is the next step for long contexts.
 """
@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.layers.attention import paged_attention
+from strata.kvcache.cache import PagedKVCache
 from strata.layers.forward_meta import ForwardMeta
+from strata.layers.linear import LinearFactory
 from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding
 
@@ -32,7 +33,8 @@ LATENT_NORM_EPS = 1e-6
 class MLAttention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, *, q_lora_rank: int, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
-                 cache_head_dim: int, rotary: RotaryEmbedding, scale: float, bias: bool = False):
+                 cache_head_dim: int, rotary: RotaryEmbedding, scale: float,
+                 linear: LinearFactory, bias: bool = False):
         super().__init__()
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
@@ -40,20 +42,18 @@ class MLAttention(nn.Module):
         self.cache_dim, self.scale = cache_head_dim, scale
         assert cache_head_dim >= max(self.qk_dim, v_head_dim)
         if q_lora_rank:
-            self.q_a_proj = nn.Linear(hidden, q_lora_rank, bias=bias)
+            self.q_a_proj = linear(hidden, q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * self.qk_dim, bias=False)
+            self.q_b_proj = linear(q_lora_rank, num_heads * self.qk_dim)
         else:
-            self.q_proj = nn.Linear(hidden, num_heads * self.qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, kv_lora_rank + qk_rope_head_dim, bias=bias)
+            self.q_proj = linear(hidden, num_heads * self.qk_dim)
+        self.kv_a_proj_with_mqa = linear(hidden, kv_lora_rank + qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim),
-                                   bias=False)
-        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden, bias=bias)
+        self.kv_b_proj = linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
+        self.o_proj = linear(num_heads * v_head_dim, hidden, bias=bias)
         self.rotary = rotary  # rotates exactly the rope dims (a variant of the stage's table)
 
-    def forward(self, x: torch.Tensor, meta: ForwardMeta,
-                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: PagedKVCache) -> torch.Tensor:
         tokens, heads = x.shape[0], self.num_heads
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)
@@ -69,10 +69,8 @@ class MLAttention(nn.Module):
             tokens, heads, self.nope_dim + self.v_dim).split([self.nope_dim, self.v_dim], -1)
         q = torch.cat((q_nope, q_rope), dim=-1)                          # [T, H, qk_dim]
         k = torch.cat((k_nope, k_rope.expand(tokens, heads, self.rope_dim)), dim=-1)
-        k_cache, v_cache = kv                                            # [rows, H, cache_dim]
-        k_cache[meta.slot_mapping] = self._pad(k).to(k_cache.dtype)
-        v_cache[meta.slot_mapping] = self._pad(v).to(v_cache.dtype)
-        out = paged_attention(self._pad(q), k_cache, v_cache, meta, scale=self.scale)
+        out = meta.attend(self._pad(q), self._pad(k), self._pad(v), cache,
+                          scale=self.scale)                              # [T, H, cache_dim]
         return self.o_proj(out[..., :self.v_dim].reshape(tokens, heads * self.v_dim))
 
     def _pad(self, x: torch.Tensor) -> torch.Tensor:

@@ -4,13 +4,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.layers.linear import LinearFactory
+
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, linear: LinearFactory):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = linear(hidden, intermediate)
+        self.up_proj = linear(hidden, intermediate)
+        self.down_proj = linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

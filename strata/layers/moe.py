@@ -13,15 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.layers.linear import LinearFactory, ParamSpec, with_spec
 from strata.layers.mlp import GatedMLP
+
+FLOAT32 = ParamSpec(torch.float32)
 
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool):
+                 norm_topk_prob: bool, linear: LinearFactory):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.gate = nn.Linear(hidden, num_experts, bias=False)  # router
+        self.gate = linear(hidden, num_experts)  # router
         self.experts = GroupedExperts(hidden, intermediate, num_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
@@ -36,27 +39,20 @@ class GroupedTopKRouter(nn.Module):
     """DeepSeek-V3 / GLM-4.5 routing, in float32 like the reference. Sigmoid scores plus
     `e_score_correction_bias` choose the experts, but the weights are the plain scores.
     The choice is limited to the `topk_groups` best of `num_groups` equal groups of
-    experts, a group scoring the sum of its two best biased scores."""
+    experts, a group scoring the sum of its two best biased scores.
+
+    NOTE: its parameters stay float32 when the stage's weights are bf16, as transformers
+    keeps them: a bf16 router flips expert choices."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, *, num_groups: int = 1,
                  topk_groups: int = 1, norm_topk_prob: bool = True, scaling: float = 1.0):
         super().__init__()
         self.top_k, self.num_groups, self.topk_groups = top_k, num_groups, topk_groups
         self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.weight = with_spec(nn.Parameter(torch.empty(num_experts, hidden)), FLOAT32)
         # A parameter (not a buffer) so that the stage loads it with the weights.
-        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts),
-                                                    requires_grad=False)
-
-    def _apply(self, fn, recurse=True):
-        # NOTE: the router stays float32 when the stage casts the model to bf16 (device moves
-        # still apply), as transformers keeps it: a bf16 router flips expert choices. The
-        # stage casts before it loads, so no precision is lost.
-        super()._apply(fn, recurse)
-        for param in (self.weight, self.e_score_correction_bias):
-            if param.dtype != torch.float32:
-                param.data = param.data.float()
-        return self
+        self.e_score_correction_bias = with_spec(
+            nn.Parameter(torch.empty(num_experts), requires_grad=False), FLOAT32)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> expert ids [T, k], float32 weights [T, k]."""
@@ -80,12 +76,12 @@ class SharedExpertMoE(nn.Module):
     through (one gated MLP of `shared_intermediate` rows; none when 0)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, gate: nn.Module,
-                 shared_intermediate: int):
+                 shared_intermediate: int, linear: LinearFactory):
         super().__init__()
         self.gate = gate
         self.experts = GroupedExperts(hidden, intermediate, num_experts)
         if shared_intermediate:
-            self.shared_experts = GatedMLP(hidden, shared_intermediate)
+            self.shared_experts = GatedMLP(hidden, shared_intermediate, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         experts, weights = self.gate(x)

@@ -4,7 +4,7 @@
 One step pairs a token with the previous hidden state: `eh_proj(cat(enorm(embed(t)),
 hnorm(h)))`, then the MTP decoder layer, then `shared_head.norm`. It shares the stage's
 embedding (when the stage has one) and lm_head. Who runs it and when is the drafter's
-business (engine/mtp_drafter.py); this module only computes.
+business (stage/mtp_drafter.py); this module only computes.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from strata.kvcache.cache import KVCache
+from strata.kvcache.cache import PagedKVCache
 from strata.layers.forward_meta import ForwardMeta
+from strata.layers.linear import LinearFactory
 from strata.layers.norm import RMSNorm
 
 
@@ -21,7 +22,7 @@ class MTPHead(nn.Module):
     """Parameters named as in the checkpoint under `mtp.` (the stage strips it on load)."""
 
     def __init__(self, index: int, layer: nn.Module, *, vocab: int, hidden: int, eps: float,
-                 embed: nn.Embedding | None, lm_head: nn.Module):
+                 embed: nn.Embedding | None, lm_head: nn.Module, linear: LinearFactory):
         """`layer`: the architecture's decoder layer number `index` (= the main model's
         layer count); `embed`: the stage's embedding, if it has one."""
         super().__init__()
@@ -30,7 +31,7 @@ class MTPHead(nn.Module):
         self.model.embed_tokens = embed if embed is not None else nn.Embedding(vocab, hidden)
         layer.enorm = RMSNorm(hidden, eps)
         layer.hnorm = RMSNorm(hidden, eps)
-        layer.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        layer.eh_proj = linear(2 * hidden, hidden)
         layer.shared_head = nn.Module()
         layer.shared_head.norm = RMSNorm(hidden, eps)
         self.model.layers = nn.ModuleDict({str(self.index): layer})
@@ -41,9 +42,9 @@ class MTPHead(nn.Module):
         return self.model.layers[str(self.index)]
 
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, meta: ForwardMeta,
-             cache: KVCache) -> torch.Tensor:
+             cache: PagedKVCache) -> torch.Tensor:
         """tokens [N], previous hidden [N, h] -> MTP hidden [N, h] (after shared_head.norm)."""
         layer = self.layer
         x = layer.eh_proj(torch.cat((layer.enorm(self.model.embed_tokens(tokens)),
                                      layer.hnorm(hidden)), dim=-1))
-        return layer.shared_head.norm(layer(x, meta, cache.layer(0)))
+        return layer.shared_head.norm(layer(x, meta, cache))

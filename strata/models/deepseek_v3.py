@@ -12,6 +12,7 @@ from torch import nn
 
 from strata.errors import StrataError
 from strata.layers.decoder import DecoderLayer
+from strata.layers.linear import LinearFactory
 from strata.layers.mla import MLAttention
 from strata.layers.mlp import GatedMLP
 from strata.layers.moe import GroupedTopKRouter, SharedExpertMoE
@@ -31,7 +32,7 @@ class DeepseekV3(Architecture):
             raise StrataError(f"layer {layer} does not exist: the model has {c.num_layers} "
                               f"layers and {c.num_mtp_layers} MTP layers")
         return DecoderLayer(c.hidden_size, c.rms_norm_eps, self.attention(rotary),
-                            routed_mlp(c, layer))
+                            routed_mlp(c, layer, self.linear))
 
     def attention(self, rotary: RotaryEmbedding) -> nn.Module:
         c = self.config
@@ -40,7 +41,7 @@ class DeepseekV3(Architecture):
             qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
             v_head_dim=c.v_head_dim, cache_head_dim=c.head_dim,
             rotary=rotary.variant(c.qk_rope_head_dim, interleaved=c.rope_interleave),
-            scale=mla_softmax_scale(c), bias=c.attention_bias)
+            scale=mla_softmax_scale(c), linear=self.linear, bias=c.attention_bias)
 
 
 def mla_softmax_scale(c: ModelConfig) -> float:
@@ -53,13 +54,13 @@ def mla_softmax_scale(c: ModelConfig) -> float:
     return scale
 
 
-def routed_mlp(c: ModelConfig, layer: int) -> nn.Module:
+def routed_mlp(c: ModelConfig, layer: int, linear: LinearFactory) -> nn.Module:
     """The feed-forward of `layer` in the DeepSeek-V3 family (GLM-4.5 too): dense for the
     first layers, then routed experts plus shared experts."""
     if not c.is_moe_layer(layer):
-        return GatedMLP(c.hidden_size, c.intermediate_size)
+        return GatedMLP(c.hidden_size, c.intermediate_size, linear)
     gate = GroupedTopKRouter(c.hidden_size, c.num_experts, c.num_experts_per_tok,
                              num_groups=c.num_expert_groups, topk_groups=c.topk_expert_groups,
                              norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor)
     return SharedExpertMoE(c.hidden_size, c.moe_intermediate_size, c.num_experts, gate,
-                           c.moe_intermediate_size * c.num_shared_experts)
+                           c.moe_intermediate_size * c.num_shared_experts, linear)

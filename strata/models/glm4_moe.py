@@ -21,5 +21,6 @@ class Glm4Moe(DeepseekV3):
     def attention(self, rotary: RotaryEmbedding) -> nn.Module:
         c = self.config
         return Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                         rotary.variant(c.rotary_dim or c.head_dim), bias=c.attention_bias,
+                         rotary.variant(c.rotary_dim or c.head_dim), self.linear,
+                         bias=c.attention_bias,
                          qk_norm_eps=c.rms_norm_eps if c.qk_norm else None)

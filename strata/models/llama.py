@@ -20,21 +20,22 @@ class Llama(Architecture):
     def make_layer(self, layer: int, rotary: RotaryEmbedding) -> nn.Module:
         c = self.config
         attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rotary,
-                         bias=c.attention_bias)
+                         self.linear, bias=c.attention_bias)
         return DecoderLayer(c.hidden_size, c.rms_norm_eps, attn,
-                            GatedMLP(c.hidden_size, c.intermediate_size))
+                            GatedMLP(c.hidden_size, c.intermediate_size, self.linear))
 
-    def adapt_gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def gguf_row_order(self, name: str) -> torch.Tensor | None:
         # llama.cpp's converter interleaves the two rotary halves of each q/k head.
+        c = self.config
         if name.endswith("self_attn.q_proj.weight"):
-            return unpermute_rotary_rows(tensor, self.config.num_heads)
+            return unpermuted_rotary_rows(c.num_heads, c.head_dim)
         if name.endswith("self_attn.k_proj.weight"):
-            return unpermute_rotary_rows(tensor, self.config.num_kv_heads)
-        return tensor
+            return unpermuted_rotary_rows(c.num_kv_heads, c.head_dim)
+        return None
 
 
-def unpermute_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """Inverse of llama.cpp's `permute`: rows [h, d/2, 2] back to [h, 2, d/2]."""
-    rows, cols = weight.shape
-    return (weight.reshape(heads, rows // heads // 2, 2, cols)
-            .transpose(1, 2).reshape(rows, cols))
+def unpermuted_rotary_rows(heads: int, head_dim: int) -> torch.Tensor:
+    """Inverse of llama.cpp's `permute` as a row order: stored rows [h, d/2, 2] taken
+    back as [h, 2, d/2]."""
+    return (torch.arange(heads * head_dim).reshape(heads, head_dim // 2, 2)
+            .transpose(1, 2).reshape(-1))

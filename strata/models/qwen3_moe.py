@@ -22,7 +22,8 @@ class Qwen3Moe(Architecture):
         c = self.config
         if c.is_moe_layer(layer):
             mlp = SparseMoE(c.hidden_size, c.moe_intermediate_size, c.num_experts,
-                            c.num_experts_per_tok, c.norm_topk_prob)
+                            c.num_experts_per_tok, c.norm_topk_prob, self.linear)
         else:
-            mlp = GatedMLP(c.hidden_size, c.intermediate_size)
-        return DecoderLayer(c.hidden_size, c.rms_norm_eps, qwen3_attention(c, rotary), mlp)
+            mlp = GatedMLP(c.hidden_size, c.intermediate_size, self.linear)
+        return DecoderLayer(c.hidden_size, c.rms_norm_eps,
+                            qwen3_attention(c, rotary, self.linear), mlp)

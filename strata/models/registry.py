@@ -1,24 +1,22 @@
 """The architecture registry and the base class every architecture file fills in.
 
-An Architecture knows how to build one decoder layer, and how a checkpoint's tensors
-map onto its parameters. It knows nothing about stages: the runner picks which layers
-to build (a contiguous range) and where.
+An Architecture knows how to build one decoder layer (its projections from the stage's
+LinearFactory), what state each layer keeps between windows (its cache spec), and what
+its checkpoints do differently from Hugging Face's names and layouts. It knows nothing
+about stages (the runner picks which layers to build, and where) nor about files
+(strata/weights/ reads them).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from strata.errors import StrataError
+from strata.kvcache.spec import CacheSpec, PagedKVSpec
+from strata.layers.linear import LinearFactory
 from strata.layers.rotary import RotaryEmbedding
 from strata.models.config import ModelConfig
-from strata.models.moe_weights import is_stacked_expert, stacked_experts
-
-if TYPE_CHECKING:
-    from strata.weights.checkpoint import Checkpoint
 
 _REGISTRY: dict[str, type[Architecture]] = {}
 _HF_NAMES: dict[str, str] = {}
@@ -28,26 +26,23 @@ class Architecture:
     name: str = ""
     hf_names: tuple[str, ...] = ()  # config.json "architectures" values
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, linear: LinearFactory | None = None):
+        """`linear`: the stage's factory for projections (default: the stage's dtype)."""
         self.config = config
+        self.linear = linear or LinearFactory()
 
     def make_layer(self, layer: int, rotary: RotaryEmbedding) -> nn.Module:
         raise NotImplementedError
 
-    def adapt_gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Undo what llama.cpp's converter did to a tensor of this architecture."""
-        return tensor
+    def cache_spec(self, layer: int) -> CacheSpec:
+        """What `layer` keeps between windows (the MTP layers' numbers included)."""
+        c = self.config
+        return PagedKVSpec(c.num_kv_heads, c.head_dim)
 
-    def load_tensor(self, name: str, checkpoint: Checkpoint) -> torch.Tensor:
-        """The checkpoint tensor for parameter `name` (Hugging Face naming)."""
-        if name == "lm_head.weight" and not checkpoint.has(name):
-            name = "model.embed_tokens.weight"  # tied embeddings
-        if is_stacked_expert(name, checkpoint):
-            return stacked_experts(name, checkpoint, self.config.num_experts)
-        tensor = checkpoint.get(name)
-        if checkpoint.format == "gguf":
-            tensor = self.adapt_gguf_tensor(name, tensor)
-        return tensor
+    def gguf_row_order(self, name: str) -> torch.Tensor | None:
+        """Where llama.cpp's converter reordered the rows of a tensor: the order that
+        undoes it (None: as stored)."""
+        return None
 
 
 def register(cls: type[Architecture]) -> type[Architecture]:
@@ -74,8 +69,8 @@ def resolve_hf_architecture(raw_config: dict) -> str:
                       f"supported: {', '.join(supported_architectures())}")
 
 
-def get_architecture(config: ModelConfig) -> Architecture:
+def get_architecture(config: ModelConfig, linear: LinearFactory | None = None) -> Architecture:
     if config.architecture not in _REGISTRY:
         raise StrataError(f"architecture '{config.architecture}' is not supported; "
                           f"supported: {', '.join(supported_architectures())}")
-    return _REGISTRY[config.architecture](config)
+    return _REGISTRY[config.architecture](config, linear)

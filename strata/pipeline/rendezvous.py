@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from strata.config import EngineConfig
+from strata.kvcache.spec import CacheSize
 
 # NOTE: an idle server's stages wait for the next window in a blocking receive, which
 # gloo would end after the process group's timeout; hangs are detected by the engine.
@@ -27,8 +28,7 @@ STORE_TIMEOUT = timedelta(minutes=30)
 class Plan:
     """What every stage process needs to build its stage: published by rank 0."""
     config: EngineConfig
-    num_blocks: int
-    max_context: int
+    cache_size: CacheSize
     mtp: bool
     nccl: bool  # hidden states between stages on NCCL (every stage on its own GPU)
 

@@ -20,13 +20,14 @@ from collections import deque
 import torch.distributed as dist
 
 from strata.config import EngineConfig
-from strata.engine.results import WindowResult
-from strata.engine.runner import check_device
 from strata.errors import StrataError
+from strata.kvcache.spec import CacheSize
 from strata.pipeline import rendezvous
 from strata.pipeline.transport import Pending, pack, recv_object, send_object, send_packed
 from strata.pipeline.worker import STOP, WINDOW, stage_process_main
 from strata.scheduler.window import Window
+from strata.stage.results import WindowResult
+from strata.stage.runner import check_device
 
 log = logging.getLogger("strata.pipeline")
 
@@ -39,7 +40,7 @@ class StageFailure(StrataError):
 
 
 class PipelineRunner:
-    def __init__(self, config: EngineConfig, checkpoint, num_blocks: int, max_context: int,
+    def __init__(self, config: EngineConfig, checkpoint, cache_size: CacheSize,
                  mtp: bool = False):
         if dist.is_initialized():
             raise StrataError("this process already runs stage processes (one pipelined "
@@ -50,7 +51,7 @@ class PipelineRunner:
             check_device(device)
         nccl = all(d.type == "cuda" for d in devices) and len(set(map(str, devices))) == len(
             devices)
-        self.plan = rendezvous.Plan(config, num_blocks, max_context, mtp, nccl)
+        self.plan = rendezvous.Plan(config, cache_size, mtp, nccl)
         self.num_stages = len(ranges)
         self.timeout = config.stage_timeout
         self.processes: list[multiprocessing.Process] = []

@@ -19,10 +19,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from strata.engine.results import WindowVerifier
-from strata.engine.stage import build_stage
 from strata.pipeline import rendezvous
 from strata.pipeline.transport import HiddenLink, Pending, recv_object, send_object
+from strata.stage.results import WindowVerifier
+from strata.stage.stage import build_stage
 from strata.weights.checkpoint import open_checkpoint
 
 log = logging.getLogger("strata.stage")
@@ -57,10 +57,10 @@ def run_stage(store: dist.Store, rank: int) -> None:
     try:
         torch.set_num_threads(config.stage_threads or default_threads(plan.num_stages))
         checkpoint = open_checkpoint(config.model)
-        stage = build_stage(config, checkpoint.config, index, plan.num_blocks, mtp=plan.mtp)
+        stage = build_stage(config, checkpoint.config, index, plan.cache_size, mtp=plan.mtp)
         stage.load(checkpoint)
         last = index == plan.num_stages - 1
-        verifier = WindowVerifier(stage, config, plan.max_context) if last else None
+        verifier = WindowVerifier(stage, config) if last else None
     except Exception as e:  # noqa: BLE001 - the engine prints it and stops every stage
         keys.set(rendezvous.ready_key(index), f"error: {e}")
         return
@@ -98,7 +98,7 @@ class StageLoop:
 
     def run(self, header) -> None:
         start = time.perf_counter()
-        meta = header.meta(self.stage.device)  # NOTE: built while the previous stage works
+        meta = self.stage.prepare(header)  # NOTE: built while the previous stage works
         prepared = time.perf_counter() - start
         if self.first:
             x = header.token_ids

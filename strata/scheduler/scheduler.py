@@ -9,7 +9,10 @@ There are no prefill and decode phases: each slot's `num_computed` chases its re
 drafts, then fills the rest of its token budget with prompt chunks. Drafts are ordinary
 tokens: committing moves `num_computed` past the accepted ones only, so the next window
 starts at the first rejected position and overwrites it. A finished request frees its
-slot and blocks at once.
+slot, its blocks and its state rows at once.
+
+Allocation covers every kind of layer cache (kvcache/spec.py): KV blocks as a slot's
+sequence grows, and `state_rows_per_slot` rows of per-slot state from admission to finish.
 """
 
 from __future__ import annotations
@@ -18,28 +21,35 @@ from collections import deque
 
 import torch
 
-from strata.request import Request, RequestStatus
-from strata.kvcache.block_pool import BlockPool
-from strata.scheduler.slot import Slot
-from strata.scheduler.window import Window, WindowHeader
 from strata.drafting.draft import Draft
 from strata.drafting.policy import DraftPolicy
+from strata.kvcache.block_pool import BlockPool, RowPool
+from strata.kvcache.spec import CacheSize
+from strata.request import Request, RequestStatus
 from strata.sampling.verifier import VerifyEntry
+from strata.scheduler.slot import Slot
+from strata.scheduler.window import Window, WindowHeader, num_committed
 
 
 class Scheduler:
     def __init__(self, num_slots: int, max_context: int, max_window_tokens: int,
-                 block_size: int, drafts: DraftPolicy | None = None, lookahead: int = 0,
-                 num_groups: int = 1):
+                 block_size: int, drafts: DraftPolicy | None = None, mtp_drafts: int = 0,
+                 num_groups: int = 1, state_rows_per_slot: int = 0):
+        """`mtp_drafts`: the longest chain the model's MTP layer drafts on the last stage
+        (0: none); `state_rows_per_slot`: rows of per-slot state the model's layers keep."""
         if not 1 <= num_groups <= num_slots:
             raise ValueError(f"{num_groups} groups for {num_slots} slots")
         blocks_per_slot = -(-max_context // block_size)
         # NOTE: every slot can always grow to max_context, so no request is ever preempted.
         self.pool = BlockPool(num_slots * blocks_per_slot, block_size)
-        self.slots = [Slot(i, self.pool) for i in range(num_slots)]
+        self.state_rows = RowPool(num_slots * state_rows_per_slot)
+        self.state_rows_per_slot = state_rows_per_slot
+        self.slots = [Slot(i, self.pool, self.state_rows, state_rows_per_slot)
+                      for i in range(num_slots)]
         self.max_context, self.max_window_tokens = max_context, max_window_tokens
         self.drafts = drafts if drafts is not None and drafts.enabled else None
-        self.lookahead = lookahead  # positions past a window the MTP layer writes
+        self.mtp_drafts = mtp_drafts
+        self.cache_size = CacheSize(self.pool.num_blocks, block_size, self.state_rows.size)
         self.waiting: deque[Request] = deque()
         self.num_groups = num_groups
         self.groups = [self.slots[g::num_groups] for g in range(num_groups)]
@@ -129,11 +139,14 @@ class Scheduler:
                     self.drafts.admitted(request)
 
     def _build(self, group: int, entries: list[tuple[Slot, int]]) -> Window:
-        tokens, positions, rows, tables = [], [], [], []
-        samples, verify, following = [], [], []
+        tokens, positions, rows, tables, sample_rows = [], [], [], [], []
+        samples, verify, following, mtp_rows, mtp_lens = [], [], [], [], []
+        offset = 0  # window row of the entry's first token
         for slot, count in entries:
             request, start = slot.request, slot.num_computed
-            slot.block_table.ensure(min(self.max_context, start + count + self.lookahead))
+            mtp_end = min(self.max_context, start + count + self.mtp_drafts + 1) \
+                if self.mtp_drafts else start + count
+            slot.block_table.ensure(mtp_end)
             end = start + count - slot.num_drafted  # end of the run's known tokens
             tokens.extend(request.token_ids[start:end])
             if slot.draft is not None:
@@ -144,29 +157,38 @@ class Scheduler:
             sample = end == request.num_tokens
             samples.append(sample)
             following.append(None if sample else request.token_ids[end])
-            if sample:
+            if sample:  # the verifier reads the last known token's row and each draft's
+                sample_rows.append(torch.arange(offset + count - 1 - slot.num_drafted,
+                                                offset + count))
                 verify.append(VerifyEntry(request.params, request.request_id,
                                           slot.draft.tokens if slot.draft else [],
                                           position=request.num_tokens))
-        width = max(len(t) for t in tables)
-        block_tables = torch.zeros(len(tables), width, dtype=torch.long)
-        for i, table in enumerate(tables):
-            block_tables[i, :len(table)] = torch.tensor(table)
+            if self.mtp_drafts:  # MTP positions p + 1: the committed ones, then its chain
+                mtp_rows.append(slot.block_table.rows(start + 1, mtp_end))
+                mtp_lens.append(mtp_end - start - 1)
+            offset += count
         header = WindowHeader(
             group=group,
+            slots=[slot.index for slot, _ in entries],
+            starts=[slot.num_computed for slot, _ in entries],
             query_lens=[count for _, count in entries],
             samples=samples,
             num_drafts=[slot.num_drafted for slot, _ in entries],
             token_ids=torch.tensor(tokens, dtype=torch.long),
             positions=torch.cat(positions),
             slot_mapping=torch.cat(rows),
-            block_tables=block_tables,
+            block_tables=_padded(tables),
             block_size=self.pool.block_size,
+            sample_rows=(torch.cat(sample_rows) if sample_rows
+                         else torch.zeros(0, dtype=torch.long)),
             verify=verify,
             following=following,
+            state_rows=(torch.tensor([slot.state_rows for slot, _ in entries], dtype=torch.long)
+                        if self.state_rows_per_slot else None),
+            mtp_rows=_padded(mtp_rows) if self.mtp_drafts else None,
+            mtp_lens=mtp_lens if self.mtp_drafts else None,
         )
-        return Window(header, slots=[slot.index for slot, _ in entries],
-                      requests=[slot.request for slot, _ in entries],
+        return Window(header, requests=[slot.request for slot, _ in entries],
                       drafts=[slot.draft for slot, _ in entries])
 
     def commit(self, window: Window, results: list[list[int]],
@@ -178,17 +200,18 @@ class Scheduler:
         produced = iter(results)
         staged = iter(stage_drafts or [])
         updated = []
+        header = window.header
         for index, request, count, sample, draft in zip(
-                window.slots, window.requests, window.header.query_lens, window.header.samples, window.drafts):
+                header.slots, window.requests, header.query_lens, header.samples, window.drafts):
             slot = self.slots[index]
             tokens = next(produced) if sample else []
             drafted_on_stage = next(staged, None) if sample else None
             if slot.request is not request:  # aborted while the window was in flight
                 continue
             drafted = len(draft.tokens) if draft is not None else 0
-            accepted = len(tokens) - 1 if drafted else 0
+            accepted = max(len(tokens) - 1, 0)
             # The KV of rejected drafts stays in the cache; the next window overwrites it.
-            slot.num_computed += count - (drafted - accepted)
+            slot.num_computed += num_committed(count, drafted, accepted)
             slot.draft = None
             if not sample:
                 continue
@@ -206,3 +229,12 @@ class Scheduler:
         if self.drafts is not None:
             self.drafts.finished(slot.request)
         slot.release()
+
+
+def _padded(rows: list) -> torch.Tensor:
+    """Lists (or 1-D tensors) of ints as one [len(rows), longest] tensor, padded with 0."""
+    width = max(len(r) for r in rows)
+    out = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
+    return out

@@ -1,19 +1,22 @@
-"""Slot: one of the P places a running request occupies, with its KV blocks."""
+"""Slot: one of the P places a running request occupies, with its KV blocks and, for
+models whose layers keep per-slot state, its state rows."""
 
 from __future__ import annotations
 
-from strata.request import Request
-from strata.kvcache.block_pool import BlockPool, BlockTable
 from strata.drafting.draft import Draft
+from strata.kvcache.block_pool import BlockPool, BlockTable, RowPool
+from strata.request import Request
 
 
 class Slot:
-    def __init__(self, index: int, pool: BlockPool):
+    def __init__(self, index: int, pool: BlockPool, row_pool: RowPool, rows_per_slot: int = 0):
         self.index = index
         self.block_table = BlockTable(pool)
+        self.row_pool, self.rows_per_slot = row_pool, rows_per_slot
         self.request: Request | None = None
         self.num_computed = 0  # tokens of the request whose KV is in the cache
         self.draft: Draft | None = None  # drafts carried by the slot's window in flight
+        self.state_rows: list[int] = []  # rows of per-slot state, while it holds a request
 
     @property
     def free(self) -> bool:
@@ -30,7 +33,10 @@ class Slot:
 
     def assign(self, request: Request) -> None:
         self.request, self.num_computed = request, 0
+        self.state_rows = self.row_pool.allocate(self.rows_per_slot)
 
     def release(self) -> None:
+        """Give back the blocks and the state rows."""
         self.block_table.clear()
-        self.request, self.num_computed, self.draft = None, 0, None
+        self.row_pool.release(self.state_rows)
+        self.request, self.num_computed, self.draft, self.state_rows = None, 0, None, []

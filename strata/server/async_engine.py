@@ -17,9 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from strata.config import EngineConfig
-from strata.request import Request
-from strata.errors import StrataError
 from strata.llm import LLM
+from strata.request import Request
 from strata.sampling.params import SamplingParams
 from strata.server.metrics import Metrics
 

@@ -8,11 +8,11 @@ import socket
 import sys
 
 from strata.config import EngineConfig
-from strata.engine.runner import check_device
 from strata.errors import StrataError
 from strata.server.async_engine import AsyncEngine
 from strata.server.config import ServerConfig
 from strata.server.metrics import Metrics
+from strata.stage.runner import check_device
 from strata.weights.checkpoint import open_checkpoint
 
 

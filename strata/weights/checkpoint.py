@@ -1,7 +1,8 @@
 """The Checkpoint interface and `open_checkpoint`, which picks the format from the path.
 
 A checkpoint exposes its ModelConfig, its tokenizer, and tensors by their Hugging Face
-names, read lazily one at a time so that a stage reads only its own layers.
+names, read lazily one at a time (as the file stores them: StoredTensor) so that a stage
+reads only its own layers. strata/weights/loader.py puts them into a stage's module.
 """
 
 from __future__ import annotations
@@ -10,21 +11,20 @@ import importlib.util
 from pathlib import Path
 from typing import Protocol
 
-import torch
-
 from strata.errors import StrataError
 from strata.models.config import ModelConfig
+from strata.weights.tensor import StoredTensor
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class Checkpoint(Protocol):
-    format: str          # "gguf" or "hf"
+    format: str          # "gguf", "hf" or "random"
     path: Path
     config: ModelConfig
 
     def has(self, name: str) -> bool: ...
-    def get(self, name: str) -> torch.Tensor: ...
+    def read(self, name: str) -> StoredTensor: ...
     def load_tokenizer(self): ...
 
 

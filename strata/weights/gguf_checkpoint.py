@@ -1,16 +1,14 @@
 """GGUF checkpoints through the `gguf` package: config, tokenizer and chat template from
-the metadata; tensors dequantized on demand and exposed under Hugging Face names."""
+the metadata; tensors exposed under Hugging Face names, as their raw blocks and type."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from strata.errors import StrataError
 from strata.models.config import ModelConfig
+from strata.weights.tensor import StoredTensor
 
 # llama.cpp tensor names -> Hugging Face names ({i} is the layer number).
 _LAYER_NAMES = {
@@ -82,15 +80,13 @@ class GGUFCheckpoint:
     def has(self, name: str) -> bool:
         return name in self._tensors
 
-    def get(self, name: str) -> torch.Tensor:
-        import gguf
-
+    def read(self, name: str) -> StoredTensor:
         if name not in self._tensors:
             raise StrataError(f"{self.path} has no tensor for '{name}'; the file does not match "
                               f"its '{self.config.architecture}' metadata")
         t = self._tensors[name]
-        array = gguf.quants.dequantize(t.data, t.tensor_type)
-        return torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the fastest dim first
+        return StoredTensor(shape, t.tensor_type.name, t.data)
 
     def load_tokenizer(self):
         from strata.tokenizer import Tokenizer

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from strata.errors import StrataError
 from strata.models.config import ModelConfig
 from strata.models.registry import resolve_hf_architecture
+from strata.weights.tensor import StoredTensor
 
 
 class HFCheckpoint:
@@ -50,12 +49,12 @@ class HFCheckpoint:
     def has(self, name: str) -> bool:
         return name in self._where
 
-    def get(self, name: str) -> torch.Tensor:
+    def read(self, name: str) -> StoredTensor:
         if name not in self._where:
             raise StrataError(f"{self.path} has no tensor '{name}'; the checkpoint is incomplete "
                               "or does not match its config.json")
         try:
-            return self._files[self._where[name]].get_tensor(name)
+            return StoredTensor.of(self._files[self._where[name]].get_tensor(name))
         except Exception as e:
             raise StrataError(f"cannot read '{name}' from {self._where[name]} ({e}); the file may "
                               "be truncated: download it again") from None

@@ -60,7 +60,7 @@ class RandomCheckpoint:
             gen = torch.Generator(device=param.device).manual_seed(self.seed + hash(name) % 100_003)
             param.normal_(0.0, 0.02, generator=gen)
 
-    def get(self, name: str) -> torch.Tensor:
+    def read(self, name: str):
         raise StrataError("a random-weight model has no stored tensors")
 
     def load_tokenizer(self):

@@ -18,10 +18,11 @@ import torch
 from tqdm import tqdm
 
 from strata.config import EngineConfig
-from strata.engine.results import WindowResult, WindowVerifier
-from strata.engine.stage import Stage, build_stage
 from strata.errors import StrataError
+from strata.kvcache.spec import CacheSize
 from strata.scheduler.window import Window
+from strata.stage.results import WindowResult, WindowVerifier
+from strata.stage.stage import build_stage
 
 
 def check_device(device: torch.device) -> None:
@@ -57,19 +58,19 @@ class Runner(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, checkpoint, num_blocks: int, max_context: int,
+    def __init__(self, config: EngineConfig, checkpoint, cache_size: CacheSize,
                  mtp: bool = False):
         ranges = config.stage_ranges(checkpoint.config.num_layers)
         for i in range(len(ranges)):
             check_device(config.stage_device(i))
-        self.stages = [build_stage(config, checkpoint.config, i, num_blocks, mtp=mtp)
+        self.stages = [build_stage(config, checkpoint.config, i, cache_size, mtp=mtp)
                        for i in range(len(ranges))]
         total = sum(sum(1 for _ in s.module.parameters()) for s in self.stages)
         with tqdm(total=total, desc="loading", unit="tensor", file=sys.stderr,
                   disable=not sys.stderr.isatty(), leave=False) as progress:
             for stage in self.stages:
                 stage.load(checkpoint, progress)
-        self.last = WindowVerifier(self.stages[-1], config, max_context)
+        self.last = WindowVerifier(self.stages[-1], config)
         self._queue: deque[Window] = deque()
 
     @property
@@ -91,7 +92,7 @@ class ModelRunner:
         x = header.token_ids
         for stage in self.stages:
             start = time.perf_counter()
-            x = stage.forward(x, header.meta(stage.device))
+            x = stage.forward(x, stage.prepare(header))
             # NOTE: no sync is added for this: on CUDA it is the stage's launch time
             seconds.append(time.perf_counter() - start)
         logits, hidden = x

@@ -14,10 +14,10 @@ import torch
 
 from strata.config import EngineConfig
 from strata.drafting.draft import Draft
-from strata.engine.stage import Stage
-from strata.scheduler.window import WindowHeader
-from strata.engine.mtp_drafter import MTPDrafter
 from strata.sampling.verifier import Verifier
+from strata.scheduler.window import WindowHeader
+from strata.stage.mtp_drafter import MTPDrafter
+from strata.stage.stage import Stage
 
 
 @dataclass
@@ -31,11 +31,11 @@ class WindowResult:
 class WindowVerifier:
     """The last stage's Verifier and MTP drafter."""
 
-    def __init__(self, last: Stage, config: EngineConfig, max_context: int):
+    def __init__(self, last: Stage, config: EngineConfig):
         self.verifier = Verifier()
         self.simulate_acceptance = config.simulate_acceptance
-        self.mtp = (MTPDrafter(last.module.mtp, last.mtp_cache, config.spec, config.spec_min_p,
-                               max_context) if last.mtp_cache is not None else None)
+        self.mtp = (MTPDrafter(last.module.mtp, last.mtp_cache, last.backend, config.spec,
+                               config.spec_min_p) if last.mtp_cache is not None else None)
 
     def finish(self, header: WindowHeader, logits: torch.Tensor,
                hidden: torch.Tensor) -> WindowResult:
@@ -43,7 +43,7 @@ class WindowVerifier:
         full = None
         if header.logits_all:
             full = logits.float().cpu()
-            logits = logits[header.logits_idx_of_samples().to(logits.device)]
+            logits = logits[header.sample_rows.to(logits.device)]
         entries = header.verify
         if self.simulate_acceptance is not None:
             tokens = self.verifier.simulate(logits, entries, self.simulate_acceptance)

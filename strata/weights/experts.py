@@ -1,4 +1,4 @@
-"""Expert weights of mixture-of-experts checkpoints, shared by the MoE model files.
+"""Expert weights of mixture-of-experts checkpoints.
 
 Checkpoints store experts one by one (`mlp.experts.{e}.gate_proj.weight`) or fused
 (`mlp.experts.gate_up_proj` [E, 2I, hidden]); Strata keeps them stacked per projection
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from strata.weights.tensor import StoredTensor
+
 STACKED = (".mlp.experts.gate_proj", ".mlp.experts.up_proj", ".mlp.experts.down_proj")
 
 
@@ -17,12 +19,18 @@ def is_stacked_expert(name: str, checkpoint) -> bool:
     return name.endswith(STACKED) and not checkpoint.has(name)
 
 
-def stacked_experts(name: str, checkpoint, num_experts: int) -> torch.Tensor:
+def stacked_experts(name: str, checkpoint, num_experts: int) -> StoredTensor:
     """`...mlp.experts.{gate,up,down}_proj` [E, out, in] from per-expert or fused tensors."""
     prefix, proj = name.rsplit(".", 1)  # "model.layers.N.mlp.experts", "gate_proj"
+
+    def read(tensor_name: str) -> torch.Tensor:
+        stored = checkpoint.read(tensor_name)
+        return stored.data if stored.is_torch else stored.dense(torch.float32)
+
     if checkpoint.has(f"{prefix}.gate_up_proj"):
         if proj == "down_proj":
-            return checkpoint.get(f"{prefix}.down_proj")
-        gate, up = checkpoint.get(f"{prefix}.gate_up_proj").chunk(2, dim=1)
-        return gate if proj == "gate_proj" else up
-    return torch.stack([checkpoint.get(f"{prefix}.{e}.{proj}.weight") for e in range(num_experts)])
+            return checkpoint.read(f"{prefix}.down_proj")
+        gate, up = read(f"{prefix}.gate_up_proj").chunk(2, dim=1)
+        return StoredTensor.of(gate if proj == "gate_proj" else up)
+    return StoredTensor.of(torch.stack([read(f"{prefix}.{e}.{proj}.weight")
+                                        for e in range(num_experts)]))

@@ -1,0 +1,57 @@
+"""The AttentionBackend interface, the AttentionBatch it is prepared from, and the
+registry of backends by name (`--attention-backend`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from strata.errors import StrataError
+from strata.kvcache.cache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """One forward's attention layout, on the host. Entry b's `query_lens[b]` tokens are
+    contiguous; each token has its own position and the flat cache row it writes; entry
+    b's positions 0..p live in the rows its block table names."""
+    query_lens: list[int]
+    positions: torch.Tensor     # [T]
+    slot_mapping: torch.Tensor  # [T]
+    block_tables: torch.Tensor  # [B, max blocks]
+    block_size: int
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, batch: AttentionBatch, device: torch.device) -> Any:
+        """This backend's metadata for one forward on `device`: built once per window per
+        stage, then passed to every attention layer's `forward`."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cache: PagedKVCache, meta: Any, scale: float | None = None) -> torch.Tensor:
+        """q [T, H, D], k and v [T, Hkv, D] -> [T, H, D]. Writes k and v into the window's
+        cache rows, then each token attends to its own entry's keys at positions up to
+        its own. `scale` multiplies q·k (default 1/sqrt(D))."""
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+
+
+def register_backend(name: str, make: Callable[[], AttentionBackend]) -> None:
+    _BACKENDS[name] = make
+
+
+def backend_names() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def get_backend(name: str) -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise StrataError(f"--attention-backend {name} does not exist; "
+                          f"available: {', '.join(backend_names())}")
+    return _BACKENDS[name]()

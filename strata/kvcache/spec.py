@@ -1,0 +1,52 @@
+"""Cache specs: what state each layer keeps between windows (`Architecture.cache_spec`).
+
+- PagedKVSpec: keys and values of every position, in the paged blocks of the scheduler's
+  BlockPool (attention layers).
+- SlotStateSpec: a fixed-size state per slot, in rows of the scheduler's RowPool
+  (recurrent layers: a convolution window, a linear-attention state). A slot owns
+  `rows_per_slot` rows from admission until it is freed.
+
+The scheduler allocates blocks and rows for every layer at once (one block id and one row
+id name the same place in every layer of every stage); each stage allocates the tensors of
+its own layers from the specs (cache.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PagedKVSpec:
+    num_kv_heads: int
+    head_dim: int  # the cache's dtype is the stage's --kv
+
+
+@dataclass(frozen=True)
+class SlotStateSpec:
+    shapes: tuple[tuple[int, ...], ...]   # one tensor per shape, per row
+    dtype: torch.dtype = torch.float32
+    rows_per_slot: int = 1
+
+    def __post_init__(self) -> None:
+        if self.rows_per_slot < 1 or not self.shapes:
+            raise ValueError(f"a slot state needs at least one row and one tensor: {self}")
+
+
+CacheSpec = PagedKVSpec | SlotStateSpec
+
+
+@dataclass(frozen=True)
+class CacheSize:
+    """What every stage allocates for each of its layers: the scheduler's numbers."""
+    num_blocks: int      # KV blocks (PagedKVSpec layers)
+    block_size: int      # tokens per block
+    num_state_rows: int  # rows of per-slot state (SlotStateSpec layers)
+
+
+def state_rows_per_slot(specs: Iterable[CacheSpec]) -> int:
+    """Rows of per-slot state each slot needs (0: the model keeps none)."""
+    return max((s.rows_per_slot for s in specs if isinstance(s, SlotStateSpec)), default=0)

@@ -1,0 +1,69 @@
+"""Projections and how their weights are kept: ParamSpec, Linear and the LinearFactory.
+
+Layers never build `nn.Linear` themselves: they ask the stage's LinearFactory, which knows
+the stage's weight format. Every parameter may carry a ParamSpec saying how the loader
+(strata/weights/loader.py) keeps it; modules are built on the meta device and each
+parameter is materialised where and how its spec says, one at a time — no module is built
+dense and cast as a whole. Today a spec names a dtype (the stage's, or float32 for a
+router that must stay exact); quantized blocks and host-RAM placement are the next kinds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    dtype: torch.dtype | None = None  # None: the stage's weight dtype (--dtype)
+
+
+STAGE_DTYPE = ParamSpec()
+
+
+def spec_of(param: nn.Parameter) -> ParamSpec:
+    return getattr(param, "spec", STAGE_DTYPE)
+
+
+def with_spec(param: nn.Parameter, spec: ParamSpec) -> nn.Parameter:
+    param.spec = spec  # NOTE: read by the loader, copied onto the loaded parameter
+    return param
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a stage keeps its projection weights."""
+    dtype: torch.dtype | None = None  # dense weights of this dtype; None: the stage's
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), with W [out, in] kept as its spec says."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, spec: ParamSpec):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = with_spec(nn.Parameter(torch.empty(out_features, in_features)), spec)
+        self.bias = (with_spec(nn.Parameter(torch.empty(out_features)), spec) if bias
+                     else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class LinearFactory:
+    """Makes every projection of a stage in the stage's weight format."""
+
+    def __init__(self, format: WeightFormat = WeightFormat()):
+        self.format = format
+
+    def __call__(self, in_features: int, out_features: int, *, bias: bool = False,
+                 dtype: torch.dtype | None = None) -> Linear:
+        """`dtype` pins this projection's weights (a router kept in float32)."""
+        return Linear(in_features, out_features, bias, ParamSpec(dtype or self.format.dtype))

@@ -1,0 +1,112 @@
+"""Stage: a contiguous layer range on one device, with one cache per layer.
+
+Stage 0 also embeds tokens; the last stage also holds the final norm and lm_head and
+returns logits for the rows the window asks for. A stage reads only its own tensors from
+the checkpoint, builds its attention backend's metadata once per window from the header,
+and decides nothing: the header says where every token goes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from strata.attention import AttentionBatch, get_backend
+from strata.kvcache.cache import Cache, PagedKVCache, allocate
+from strata.kvcache.spec import CacheSize
+from strata.layers.forward_meta import ForwardMeta
+from strata.layers.linear import LinearFactory, WeightFormat
+from strata.layers.mtp import MTPHead
+from strata.layers.norm import RMSNorm
+from strata.layers.rotary import RotaryEmbedding
+from strata.models.registry import Architecture, get_architecture
+from strata.scheduler.window import WindowHeader
+from strata.weights.loader import load_module
+
+
+class StageModule(nn.Module):
+    """Parameters are named as in Hugging Face checkpoints (`model.layers.7.mlp...`)."""
+
+    def __init__(self, arch: Architecture, start: int, end: int, first: bool, last: bool,
+                 mtp: bool = False):
+        super().__init__()
+        c = arch.config
+        self.first, self.last = first, last
+        self.model = nn.Module()
+        if first:
+            self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.rotary = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, c.rope_scaling)
+        self.model.layers = nn.ModuleDict(
+            {str(i): arch.make_layer(i, self.rotary) for i in range(start, end)})
+        if last:
+            self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.lm_head = arch.linear(c.hidden_size, c.vocab_size)
+        if mtp:  # the MTP layer, sharing this stage's embedding (if any) and lm_head
+            self.mtp = MTPHead(c.num_layers, arch.make_layer(c.num_layers, self.rotary),
+                               vocab=c.vocab_size, hidden=c.hidden_size, eps=c.rms_norm_eps,
+                               embed=self.model.embed_tokens if first else None,
+                               lm_head=self.lm_head, linear=arch.linear)
+
+    def forward(self, x: torch.Tensor, meta: ForwardMeta, caches: list[Cache]):
+        """x: token ids [T] on the first stage, else hidden [T, hidden].
+        Returns hidden [T, hidden]; on the last stage (logits [S, vocab] of the rows the
+        window asks for, final-norm hidden [T, hidden] of every row)."""
+        h = self.model.embed_tokens(x) if self.first else x
+        for layer, cache in zip(self.model.layers.values(), caches):
+            h = layer(h, meta, cache)
+        if self.last:
+            normed = self.model.norm(h)
+            return self.lm_head(normed[meta.logits_idx]), normed
+        return h
+
+
+class Stage:
+    def __init__(self, index: int, arch: Architecture, layers: tuple[int, int], num_stages: int,
+                 device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
+                 cache_size: CacheSize, mtp: bool = False, attention_backend: str = "reference"):
+        self.index, self.layers, self.device, self.dtype = index, layers, device, dtype
+        self.arch = arch
+        last = index == num_stages - 1
+        with torch.device("meta"):  # parameters are materialised one by one by load()
+            self.module = StageModule(arch, *layers, first=index == 0, last=last,
+                                      mtp=mtp and last)
+        self.module.rotary.reset(device)
+        self.backend = get_backend(attention_backend)
+
+        def cache(layer: int) -> Cache:
+            return allocate(arch.cache_spec(layer), cache_size, kv_dtype, device)
+
+        self.caches = [cache(i) for i in range(*layers)]  # one per layer, in layer order
+        self.mtp_cache: PagedKVCache | None = (cache(arch.config.num_layers)
+                                               if hasattr(self.module, "mtp") else None)
+
+    def load(self, checkpoint, progress: tqdm | None = None) -> None:
+        """Read this stage's tensors from the checkpoint (shapes checked), each placed on the
+        stage's device as its spec says. The MTP head's names are the checkpoint's after
+        `mtp.`."""
+        load_module(self.module, checkpoint, self.arch, device=self.device, dtype=self.dtype,
+                    checkpoint_name=lambda name: name.removeprefix("mtp."), progress=progress)
+
+    def prepare(self, header: WindowHeader) -> ForwardMeta:
+        """The window's ForwardMeta on this stage's device (the backend's metadata too)."""
+        batch = AttentionBatch(header.query_lens, header.positions, header.slot_mapping,
+                               header.block_tables, header.block_size)
+        return ForwardMeta.build(batch, self.backend, self.device, header.logits_idx(),
+                                 header.state_rows)
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
+        return self.module(x.to(self.device, non_blocking=True), meta, self.caches)
+
+
+def build_stage(config, model_config, index: int, cache_size: CacheSize,
+                mtp: bool = False) -> Stage:
+    """Stage `index` of the layer split in `config`, with unloaded (meta) weights and the
+    caches the scheduler's `cache_size` implies."""
+    ranges = config.stage_ranges(model_config.num_layers)
+    dtype = config.torch_dtype()
+    arch = get_architecture(model_config, LinearFactory(WeightFormat(dtype)))
+    return Stage(index, arch, ranges[index], len(ranges), config.stage_device(index), dtype,
+                 config.kv_dtype(), cache_size, mtp=mtp,
+                 attention_backend=config.attention_backend)

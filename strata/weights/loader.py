@@ -1,0 +1,67 @@
+"""Per-parameter loading: each parameter of a module built on the meta device is read from
+the checkpoint and materialised where and how its ParamSpec says (strata/layers/linear.py).
+
+Checkpoint names are Hugging Face's. The loader maps what every architecture shares (tied
+embeddings, stacked experts) and asks the architecture for what is its own (the rows of a
+GGUF tensor in the order its converter wrote them). Shapes are checked against the model
+config before anything is copied to the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from strata.errors import StrataError
+from strata.layers.linear import spec_of, with_spec
+from strata.models.registry import Architecture
+from strata.weights.experts import is_stacked_expert, stacked_experts
+from strata.weights.tensor import StoredTensor
+
+
+def read_parameter(arch: Architecture, checkpoint, name: str) -> StoredTensor:
+    """The stored tensor behind parameter `name` (Hugging Face naming)."""
+    if name == "lm_head.weight" and not checkpoint.has(name):
+        name = "model.embed_tokens.weight"  # tied embeddings
+    if is_stacked_expert(name, checkpoint):
+        return stacked_experts(name, checkpoint, arch.config.num_experts)
+    stored = checkpoint.read(name)
+    if checkpoint.format == "gguf":
+        order = arch.gguf_row_order(name)
+        if order is not None:
+            stored = stored.take_rows(order)
+    return stored
+
+
+def load_module(module: nn.Module, checkpoint, arch: Architecture, *, device: torch.device,
+                dtype: torch.dtype, checkpoint_name: Callable[[str], str] = lambda n: n,
+                progress: tqdm | None = None) -> None:
+    """Materialise every parameter of `module` on `device`: `dtype` unless its spec pins
+    another. `checkpoint_name` maps a parameter's name in the module to the checkpoint's."""
+    for name, param in list(module.named_parameters()):
+        spec = spec_of(param)
+        target = spec.dtype or dtype
+        if checkpoint.format == "random":
+            value = torch.empty(param.shape, dtype=target, device=device)
+            checkpoint.fill(name, value)
+        else:
+            source = checkpoint_name(name)
+            stored = read_parameter(arch, checkpoint, source)
+            if tuple(stored.shape) != tuple(param.shape):
+                raise StrataError(
+                    f"{checkpoint.path}: tensor '{source}' has shape {tuple(stored.shape)} but "
+                    f"the model config implies {tuple(param.shape)}; the checkpoint does not "
+                    "match its config")
+            value = stored.dense(target).to(device)
+        _replace(module, name, with_spec(nn.Parameter(value, requires_grad=False), spec))
+        if progress is not None:
+            progress.update(1)
+
+
+def _replace(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    setattr(owner, attr, param)
