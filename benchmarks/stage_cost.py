@@ -43,14 +43,14 @@ def stage_inputs(engine: Engine, width: int, context: int) -> list:
     inputs, x = [], window.header.token_ids
     for stage in engine.runner.stages:
         inputs.append((x, window.header))
-        out = stage.forward(x, window.header.meta(stage.device))
+        out = stage.forward(x, stage.prepare(window.header))
         x = out if not isinstance(out, tuple) else None
     engine.abort(request.request_id)
     return inputs
 
 
 def time_stage(stage, x, header, repeats: int) -> float:
-    meta = header.meta(stage.device)
+    meta = stage.prepare(header)
     times = []
     for _ in range(repeats):
         if stage.device.type == "cuda":
