@@ -144,6 +144,7 @@ class Scheduler:
         offset = 0  # window row of the entry's first token
         for slot, count in entries:
             request, start = slot.request, slot.num_computed
+            # Positions the MTP layer may reach: the window's, then its chain of drafts.
             mtp_end = min(self.max_context, start + count + self.mtp_drafts + 1) \
                 if self.mtp_drafts else start + count
             slot.block_table.ensure(mtp_end)
