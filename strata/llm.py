@@ -6,17 +6,23 @@ Used by `strata generate` and by tests; the server drives the engine the same wa
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from strata.config import EngineConfig
 from strata.engine.engine import Engine
+from strata.engine.runner import check_device
+from strata.errors import StrataError
 from strata.request import Request
 from strata.sampling.params import SamplingParams
 from strata.drafting.stats import DraftStats
 from strata.tokenizer import Tokenizer
 from strata.tokenizer.detokenize import IncrementalDetokenizer
 from strata.weights.checkpoint import open_checkpoint
+
+log = logging.getLogger("strata")
 
 
 @dataclass
@@ -55,11 +61,22 @@ class TextStream:
 
 class LLM:
     def __init__(self, config: EngineConfig, checkpoint=None):
+        start = time.perf_counter()
         checkpoint = checkpoint if checkpoint is not None else open_checkpoint(config.model)
-        # NOTE: the tokenizer first, so that a missing one fails before stages start
+        # NOTE: devices and the split first, then the tokenizer: both fail before any loading
+        ranges = config.stage_ranges(checkpoint.config.num_layers)
+        devices = [config.stage_device(i) for i in range(len(ranges))]
+        for device in devices:
+            check_device(device)
         self.tokenizer: Tokenizer = checkpoint.load_tokenizer()
+        where = (f"on {devices[0]}" if len(set(map(str, devices))) == 1 and not
+                 config.stage_processes else "on " + ", ".join(map(str, devices)))
+        log.info("loading %s: %d layers, %d stage%s %s%s", checkpoint.path.name,
+                 checkpoint.config.num_layers, len(ranges), "s" if len(ranges) > 1 else "",
+                 where, " (one process each)" if config.stage_processes else "")
         self.engine = Engine(config, checkpoint)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | self.engine.eos_token_ids
+        log.info("ready in %.1f s", time.perf_counter() - start)
 
     def close(self) -> None:
         """Stop the stage processes, if the engine runs any."""
@@ -96,6 +113,8 @@ class LLM:
         finally:
             if not job.request.finished:
                 self.engine.abort(job.request.request_id)
+        if job.request.finish_reason == "error":
+            raise StrataError(job.request.error)
         self.last = job.completion()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:

@@ -94,13 +94,14 @@ class Engine:
         while (window := self.scheduler.schedule()) is not None:
             self.runner.submit(window)
         if self.runner.num_in_flight == 0:
-            return []
+            return self.scheduler.take_failed()
         collect = time.perf_counter()
         window, result = self.runner.collect()
         commit = time.perf_counter()
         for stage, seconds in enumerate(result.stage_seconds):
             self.stage_seconds[stage] += seconds
-        updated = self.scheduler.commit(window, result.tokens, result.stage_drafts)
+        updated = self.scheduler.commit(window, result.tokens, result.stage_drafts,
+                                        result.errors, result.logprobs)
         self.scheduler_seconds += (collect - start) + (time.perf_counter() - commit)
         return updated
 
