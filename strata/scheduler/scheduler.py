@@ -49,7 +49,7 @@ class Scheduler:
         self.groups = [self.slots[g::num_groups] for g in range(num_groups)]
         self.in_flight: set[int] = set()  # groups whose window has not been committed yet
         self._next_group = 0  # round robin over idle groups
-        self.failed: list[Request] = []  # failed outside a commit (drafting); next commit reports them
+        self.failed: list[Request] = []  # failed while drafting; the next commit reports them
 
     # -- requests -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
