@@ -98,3 +98,21 @@ def test_generate_reports_a_failed_request_as_one_line(gguf_path, monkeypatch):
     monkeypatch.setattr(llm.engine.runner.last.verifier, "verify", lambda *a: 1 / 0)
     with pytest.raises(StrataError, match="sampling this request's next token failed"):
         list(llm.stream(llm.encode_prompt("Hi"), greedy()))
+
+
+def test_a_failing_entry_on_a_stage_process_fails_its_request_only(folder):
+    """The last stage is its own process: a logit bias outside the vocabulary (which the
+    server refuses, but the engine API lets through) raises in its verifier. That request
+    fails; the stage process and the other requests go on."""
+    expected = reference(folder)
+    engine = Engine(EngineConfig(model=folder, parallel=4, layer_split=(2,),
+                                 devices=("cpu", "cpu"), stage_threads=1))
+    try:
+        outside = SamplingParams(temperature=0, max_tokens=24, logit_bias=((10 ** 6, 1.0),))
+        requests = run(engine, [greedy(), outside, greedy()])
+        assert requests[1].finish_reason == "error" and "IndexError" in requests[1].error
+        assert [r.output_ids for r in (requests[0], requests[2])] == [expected[0], expected[2]]
+        assert engine.runner.failure is None
+        assert [r.output_ids for r in run(engine, [greedy()] * 3)] == expected
+    finally:
+        engine.close()
