@@ -107,14 +107,20 @@ def sampling_params(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
-    from strata.llm import LLM
+    from strata.engine.engine import check_prompt, context_size
+    from strata.llm import LLM, encode_prompt
+    from strata.weights.checkpoint import open_checkpoint
 
     logging.basicConfig(level=logging.INFO, format="strata: %(message)s", stream=sys.stderr)
     config = engine_config(args)
     params = sampling_params(args)
-    llm = LLM(config)
+    # NOTE: a prompt that cannot fit fails before the weights load
+    checkpoint = open_checkpoint(config.model)
+    tokenizer = checkpoint.load_tokenizer()
+    prompt_ids = encode_prompt(tokenizer, args.prompt, raw=args.raw)
+    check_prompt(prompt_ids, context_size(config, checkpoint.config), checkpoint.config.vocab_size)
+    llm = LLM(config, checkpoint, tokenizer)
     try:
-        prompt_ids = llm.encode_prompt(args.prompt, raw=args.raw)
         start = time.perf_counter()
         for piece in llm.stream(prompt_ids, params):
             sys.stdout.write(piece)

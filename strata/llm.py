@@ -59,8 +59,17 @@ class TextStream:
                           self.request.num_prompt_tokens, self.request.draft_stats)
 
 
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], raw: bool = False) -> list[int]:
+    """Token ids of a plain prompt (`raw`) or of chat messages through the template.
+    A string that is not raw becomes one user message."""
+    if raw:
+        return tokenizer.encode(prompt)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return tokenizer.encode_chat(messages, add_generation_prompt=True)
+
+
 class LLM:
-    def __init__(self, config: EngineConfig, checkpoint=None):
+    def __init__(self, config: EngineConfig, checkpoint=None, tokenizer: Tokenizer | None = None):
         start = time.perf_counter()
         checkpoint = checkpoint if checkpoint is not None else open_checkpoint(config.model)
         # NOTE: devices and the split first, then the tokenizer: both fail before any loading
@@ -68,7 +77,7 @@ class LLM:
         devices = [config.stage_device(i) for i in range(len(ranges))]
         for device in devices:
             check_device(device)
-        self.tokenizer: Tokenizer = checkpoint.load_tokenizer()
+        self.tokenizer: Tokenizer = tokenizer or checkpoint.load_tokenizer()
         where = (f"on {devices[0]}" if len(set(map(str, devices))) == 1 and not
                  config.stage_processes else "on " + ", ".join(map(str, devices)))
         log.info("loading %s: %d layers, %d stage%s %s%s", checkpoint.path.name,
@@ -83,13 +92,7 @@ class LLM:
         self.engine.close()
 
     def encode_prompt(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
-        """Token ids of a plain prompt (`raw`) or of chat messages through the template.
-        A string that is not raw becomes one user message."""
-        if raw:
-            return self.tokenizer.encode(prompt)
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return encode_prompt(self.tokenizer, prompt, raw)
 
     def add(self, prompt_ids: list[int], params: SamplingParams) -> TextStream:
         request = self.engine.add_request(prompt_ids, params, eos_token_ids=self.eos_token_ids)

@@ -369,6 +369,8 @@ class AsyncEngine:
             if command[0] == "add":
                 self._fail(command[1], reason, 503)
         self._close()
+        self.metrics.slots_used.set(0)
+        self.metrics.queue_length.set(0)
 
     def _close(self) -> None:
         llm, self.llm = self.llm, None
