@@ -1,10 +1,10 @@
 """Solo speed of one request: prefill tok/s and decode tok/s.
 
-    python benchmarks/solo_speed.py                          # default model, CPU
-    python benchmarks/solo_speed.py --model random:smollm2-135m --devices cuda:0
+    .venv/bin/python benchmarks/solo_speed.py                          # default model, CPU
+    .venv/bin/python benchmarks/solo_speed.py --model random:smollm2-135m --devices cuda:0
 
-Prints a table with the machine, commit and settings, and appends the raw numbers to
-benchmarks/results.jsonl. Prompts are random token ids: speed does not depend on them.
+Prints a table with the machine, commit and settings; `--record` appends the raw numbers
+to benchmarks/results.jsonl. Prompts are random token ids: speed does not depend on them.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from strata.bench.report import append_result, commit, machine, markdown_table
+from strata.bench.report import add_record_flags, commit, machine, markdown_table, record
 from strata.cli import add_engine_flags, engine_config
 from strata.engine.engine import Engine
 from strata.errors import StrataError
@@ -44,7 +43,7 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--results", default=str(Path(__file__).parent / "results.jsonl"))
+    add_record_flags(parser)
     add_engine_flags(parser, defaults={"spec": 0})  # plain decode unless --spec is given
     args = parser.parse_args()
     if args.max_window_tokens < args.prompt_tokens:
@@ -70,7 +69,7 @@ def main() -> int:
         ["prompt tokens", "decode tokens", "prefill tok/s (median)", "decode tok/s (median)"],
         [[args.prompt_tokens, args.decode_tokens, f"{statistics.median(prefill):.0f}",
           f"{statistics.median(decode):.1f}"]]))
-    append_result(args.results, {
+    record(args, {
         "benchmark": "solo_speed", "model": model, "settings": settings,
         "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
         "prefill_tok_s": prefill, "decode_tok_s": decode})

@@ -1,12 +1,13 @@
 """Solo decode speed with and without drafts on the coding-agent workloads.
 
-    python benchmarks/spec_speed.py                       # default model, CPU
-    python benchmarks/spec_speed.py --devices cuda:0
+    .venv/bin/python benchmarks/spec_speed.py                       # default model, CPU
+    .venv/bin/python benchmarks/spec_speed.py --devices cuda:0
 
 For each workload (edit, code, prose) and arm (no drafts, suffix, lookup, both) one
 greedy request: decode tok/s (after the first token), draft acceptance, and mean
 accepted tokens per drafting window. Greedy output is the same in every arm; the table
-says so. Prints machine, commit and settings; appends raw numbers to results.jsonl.
+says so. Prints machine, commit and settings; `--record` appends raw numbers to
+benchmarks/results.jsonl.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ import argparse
 import dataclasses
 import sys
 import time
-from pathlib import Path
 
-from strata.bench.report import append_result, commit, machine, markdown_table
+from strata.bench.report import add_record_flags, commit, machine, markdown_table, record
 from strata.bench.workloads import WORKLOADS, workload
 from strata.cli import add_engine_flags, engine_config
 from strata.errors import StrataError
@@ -46,7 +46,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--results", default=str(Path(__file__).parent / "results.jsonl"))
+    add_record_flags(parser)
     add_engine_flags(parser, defaults={"max_context": 4096})
     args = parser.parse_args()
     try:
@@ -77,7 +77,7 @@ def main() -> int:
           f"settings: {settings}\n")
     print(markdown_table(["workload", "arm", "decode tok/s", "acceptance",
                           "accepted / drafting window", "same tokens as no drafts"], rows))
-    append_result(args.results, {"benchmark": "spec_speed", "model": base.model or "default",
+    record(args, {"benchmark": "spec_speed", "model": base.model or "default",
                                  "settings": settings, "rows": raw})
     return 0
 

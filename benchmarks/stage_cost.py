@@ -1,13 +1,13 @@
 """C_s(w): each stage's time for a window of w tokens of one slot, relative to w = 1 — the
 cost model of docs/BATCHING.md (what a draft token costs a busy stage).
 
-    python benchmarks/stage_cost.py --layer-split 10,20,28          # default model, CPU
-    python benchmarks/stage_cost.py --model random:smollm2-135m --devices cuda:0 --layer-split 15
+    .venv/bin/python benchmarks/stage_cost.py --layer-split 10,20,28          # default model, CPU
+    .venv/bin/python benchmarks/stage_cost.py --model random:smollm2-135m --devices cuda:0 --layer-split 15
 
 The stages run in this process, each timed alone on a slot that already holds a
 `--context`-token prefix (the KV of random tokens). Prints milliseconds per window and the
-ratio to a one-token window per stage, with machine, commit and settings, and appends the
-raw numbers to benchmarks/results.jsonl.
+ratio to a one-token window per stage, with machine, commit and settings; `--record`
+appends the raw numbers to benchmarks/results.jsonl.
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from strata.bench.report import append_result, commit, machine, markdown_table
+from strata.bench.report import add_record_flags, commit, machine, markdown_table, record
 from strata.cli import add_engine_flags, engine_config
 from strata.drafting.draft import Draft
 from strata.engine.engine import Engine
@@ -65,6 +64,7 @@ def time_stage(stage, x, header, repeats: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_record_flags(parser)
     add_engine_flags(parser)
     parser.add_argument("--widths", default="1,2,4,8,16,32", help="window widths to time")
     parser.add_argument("--context", type=int, default=256, help="tokens already in the slot")
@@ -99,7 +99,7 @@ def main() -> int:
     rows = [[str(w)] + [f"{t * 1e3:.2f} / {t / results[widths[0]][i]:.2f}"
                         for i, t in enumerate(results[w])] for w in widths]
     print(markdown_table(header, rows))
-    append_result(Path(__file__).with_name("results.jsonl"), {
+    record(args, {
         "benchmark": "stage_cost", "settings": {
             "model": config.model, "devices": list(config.devices),
             "layer_split": list(config.layer_split), "dtype": str(config.torch_dtype()),

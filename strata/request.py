@@ -86,11 +86,15 @@ class Request:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     token_ids: list[int] = field(init=False)  # prompt then output
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None          # "stop", "length", "abort"
+    finish_reason: str | None = None          # "stop", "length", "abort", "error"
+    error: str | None = None                  # why it failed (finish reason "error")
     draft_stats: DraftStats = field(default_factory=DraftStats)
+    logprobs: list | None = None  # per output token (TokenLogprob), when params ask for them
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def num_tokens(self) -> int:
@@ -133,3 +137,9 @@ class Request:
     def finish(self, reason: str) -> None:
         if not self.finished:
             self.status, self.finish_reason = RequestStatus.FINISHED, reason
+
+    def fail(self, error: str) -> None:
+        """Finish with an error that concerns this request only (its sampling, its drafts)."""
+        if not self.finished:
+            self.finish("error")
+            self.error = error

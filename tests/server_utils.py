@@ -16,6 +16,13 @@ from strata.bench.process import free_port  # noqa: F401  (tests import it from 
 @contextlib.contextmanager
 def running_server(*flags: str, log: Path, timeout: float = 180):
     """Yields (base_url, statuses seen on /health before it was ready)."""
+    with server_process(*flags, log=log, timeout=timeout) as (base, seen, _):
+        yield base, seen
+
+
+@contextlib.contextmanager
+def server_process(*flags: str, log: Path, timeout: float = 180):
+    """Yields (base_url, statuses seen on /health before it was ready, the Popen)."""
     port = free_port()
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--port", str(port),
@@ -35,7 +42,7 @@ def running_server(*flags: str, log: Path, timeout: float = 180):
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        yield base, seen
+        yield base, seen, proc
     finally:
         proc.terminate()
         try:

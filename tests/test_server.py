@@ -1,9 +1,14 @@
 """`strata serve` with the official `openai` client against a real server process on a
-free loopback port: chat and completions, streamed and not, concurrency, a client that
-disconnects, the queue limit, and every bad input getting its status and message."""
+free loopback port: chat and completions, streamed and not, concurrency, logprobs and n
+choices, the hostile-request list (each a 4xx in OpenAI's shape, the server serving on),
+the guard (key, Host, Origin, stalled bodies), clients that disconnect (streamed or not),
+the queue limit with its keepalive comments and Retry-After, and a bounded SIGTERM."""
 
 from __future__ import annotations
 
+import json
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -14,18 +19,21 @@ import httpx
 import openai
 import pytest
 
-from server_utils import metric, running_server
+from hostile_requests import HOSTILE
+from server_utils import metric, running_server, server_process
 
 KEY = "sk-test"
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 QUESTION = "What is the capital of France? Answer in one short sentence."
+ORIGIN = "http://good.example"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "serve.log"
     with running_server("--parallel", "4", "--api-key", KEY, "--max-context", "1024",
-                        "--max-body-bytes", "65536", log=log) as (base, seen):
+                        "--max-body-bytes", "65536", "--body-timeout", "2",
+                        "--allowed-origins", ORIGIN, log=log) as (base, seen):
         yield base, seen, log
 
 
@@ -51,6 +59,9 @@ def generate_cli(*args: str) -> str:
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr
     assert out.stdout.endswith("\n")
+    lines = out.stderr.splitlines()  # a loading line at once, a ready line with the seconds
+    assert lines[0].startswith("strata: loading SmolLM2") and "30 layers" in lines[0], lines
+    assert any(line.startswith("strata: ready in ") for line in lines), lines
     return out.stdout[:-1]
 
 
@@ -132,8 +143,8 @@ def raw(server, body, headers=None, path="/v1/chat/completions") -> httpx.Respon
     (b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}'
      % MODEL.encode(), 400, "temperature"),
     (b'{"model": "%s", "messages": []}' % MODEL.encode(), 400, "messages"),
-    (b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "n": 2}' % MODEL.encode(),
-     400, "n=1"),
+    (b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "n": 0}' % MODEL.encode(),
+     400, "n: Input should be greater than or equal to 1"),
     (b'{"model": "%s", "messages": [{"role": "wizard", "content": "hi"}]}' % MODEL.encode(),
      400, "role"),
     (b'{"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}', 404, "gpt-9"),
@@ -172,32 +183,6 @@ def test_server_keeps_serving_after_bad_input(client, server):
     assert metric(server[0], "strata_slots_total") == 4
 
 
-def test_disconnect_frees_the_slot_and_the_queue_limit_holds(tmp_path):
-    with running_server("--parallel", "1", "--max-queue", "1", log=tmp_path / "s.log") as (base, _):
-        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
-        long = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5, 6, 7, 8,",
-                                         temperature=0, max_tokens=3000, stream=True)
-        first = [next(iter(long)) for _ in range(3)]
-        assert first
-        queued = ThreadPoolExecutor(1).submit(
-            lambda: client.completions.create(model=MODEL, prompt="Hello", temperature=0,
-                                              max_tokens=4))
-        deadline = time.monotonic() + 30
-        while metric(base, "strata_queue_length") < 1:  # the second request waits for the slot
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        with pytest.raises(openai.RateLimitError) as info:
-            client.completions.create(model=MODEL, prompt="Hi", max_tokens=4)
-        assert info.value.response.headers.get("retry-after")
-        long.close()  # the client goes away mid-stream
-        assert queued.result(timeout=60).choices[0].text is not None
-        assert metric(base, 'strata_requests_total{finish_reason="abort"}') == 1
-        deadline = time.monotonic() + 10
-        while metric(base, "strata_slots_used") != 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-
-
 def test_draft_statistics_in_usage_and_metrics(client, server):
     source = "def area(w, h):\n    return w * h\n\n" * 6
     reply = client.completions.create(model=MODEL, prompt=source, temperature=0, max_tokens=48)
@@ -221,25 +206,262 @@ def test_serve_refuses_bad_settings_before_listening(flags, needle):
     assert needle in out.stderr.strip().splitlines()[-1]
 
 
-def test_sigterm_stops_the_server_cleanly(tmp_path):
-    import signal
+# -------------------------------------------------------------------- hostile requests
 
-    from server_utils import free_port
+def send(base: str, h) -> httpx.Response:
+    headers = {"Content-Type": "application/json", **h.headers}
+    if h.auth:
+        headers.setdefault("Authorization", f"Bearer {KEY}")
+    return httpx.request(h.method, base + h.path, content=h.body, headers=headers, timeout=60)
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while True:
-        assert time.monotonic() < deadline and proc.poll() is None
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+
+def is_openai_error(response: httpx.Response, status: int) -> bool:
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return (response.status_code == status and set(error) == {"message", "type", "param", "code"}
+            and error["code"] == status and isinstance(error["message"], str)
+            and "\n" not in error["message"] and "Traceback" not in error["message"])
+
+
+def test_every_hostile_request_gets_an_openai_error_and_the_next_request_succeeds(server):
+    base = server[0]
+    normal = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0}
+    failures = []
+    for h in HOSTILE:
+        response = send(base, h)
+        if not is_openai_error(response, h.status):
+            failures.append(f"{h.kind}: {h.name}: {response.status_code} {response.text[:200]}")
+        ok = httpx.post(base + "/v1/completions", json=normal, timeout=60,
+                        headers={"Authorization": f"Bearer {KEY}"})
+        assert ok.status_code == 200, f"after {h.name}: {ok.text}"
+    assert not failures, "\n".join(failures)
+    assert len(HOSTILE) >= 60
+    assert httpx.get(base + "/health").json() == {"status": "ok"}
+    assert "Traceback" not in server[2].read_text()
+
+
+@pytest.mark.parametrize("fields", [
+    dict(temperature=1e-30), dict(temperature=2.0, top_k=1), dict(top_k=2 ** 31 - 1),
+    dict(top_p=1e-9), dict(min_p=1.0), dict(seed=-(2 ** 63)), dict(temperature=None, n=None),
+    dict(logit_bias={"0": -100, "1": -100}), dict(max_tokens=None, stop=["."]),
+    dict(messages=[{"role": "user", "content": "\u0000 \U0001F600 \u202e \ufeff é"}]),
+    dict(tools=[], tool_choice="none", response_format={"type": "text"}, presence_penalty=0),
+])
+def test_odd_but_valid_requests_succeed(server, client, fields):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 8, "temperature": 0, **fields}
+    reply = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=60,
+                       headers={"Authorization": f"Bearer {KEY}"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"]  # no empty answer (no NaN)
+
+
+def test_special_token_text_in_a_message_stays_text(client):
+    control = chat(client, "<|im_end|>", max_tokens=1).usage.prompt_tokens
+    letter = chat(client, "x", max_tokens=1).usage.prompt_tokens
+    assert control > letter + 2  # several text tokens, not the one control token
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_is_refused(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, "Hi", max_tokens=1020)
+    assert "max_tokens is 1020" in str(info.value) and "context is 1024" in str(info.value)
+
+
+def test_stalled_body_times_out_with_408(server):
+    port = int(server[0].rsplit(":", 1)[1])
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"")
+        answer = s.recv(65536).decode()
+    assert time.monotonic() - start < 6
+    head, body = answer.split("\r\n\r\n", 1)
+    assert head.startswith("HTTP/1.1 408") and json.loads(body)["error"]["code"] == 408
+
+
+# -------------------------------------------------------------------------- the guard
+
+def test_guard_bearer_scheme_host_and_origin(server):
+    base = server[0]
+    port = base.rsplit(":", 1)[1]
+    models = base + "/v1/models"
+    assert httpx.get(models, headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+    assert httpx.get(models, headers={"Authorization": f"BEARER  {KEY}"}).status_code == 200
+    refused = httpx.get(models)
+    assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Bearer")
+    assert httpx.get(models, headers={"Authorization": f"Bearer {KEY}",
+                                      "Host": f"localhost:{port}"}).status_code == 200
+    body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 1}
+    allowed = httpx.post(base + "/v1/completions", json=body, headers={
+        "Authorization": f"Bearer {KEY}", "Origin": ORIGIN})
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ORIGIN
+    preflight = httpx.options(base + "/v1/completions", headers={
+        "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert preflight.status_code == 200
+    same = httpx.post(base + "/v1/completions", json=body, headers={
+        "Authorization": f"Bearer {KEY}", "Origin": base})  # a page of this server itself
+    assert same.status_code == 200
+
+
+# ----------------------------------------------------------- OpenAI fields and routes
+
+def test_models_route_and_request_bodies_in_openapi(client, server):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    spec = httpx.get(server[0] + "/openapi.json").json()
+    for path, name in (("/v1/chat/completions", "ChatRequest"),
+                       ("/v1/completions", "CompletionRequest")):
+        ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert ref["schema"]["$ref"] == f"#/components/schemas/{name}"
+    assert "messages" in spec["components"]["schemas"]["ChatRequest"]["properties"]
+    assert "Message" in spec["components"]["schemas"]
+
+
+def test_chat_logprobs_with_the_official_client(client):
+    whole = chat(client, QUESTION, max_tokens=12, logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) + (whole.choices[0].finish_reason == "stop") == \
+        whole.usage.completion_tokens >= 4  # the end-of-turn token has no entry
+    assert "".join(t.token for t in content) == whole.choices[0].message.content
+    for t in content:
+        assert bytes(t.bytes).decode("utf-8", "replace") == t.token
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token  # greedy
+        assert t.top_logprobs[0].logprob == t.logprob <= 0
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob
+    chunks = list(chat(client, QUESTION, max_tokens=12, logprobs=True, top_logprobs=3,
+                       stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == \
+        [(t.token, round(t.logprob, 4)) for t in content]
+    assert chat(client, QUESTION, max_tokens=2).choices[0].logprobs is None
+
+
+def test_completion_logprobs_with_the_official_client(client):
+    reply = client.completions.create(model=MODEL, prompt="def add(a, b):\n", temperature=0,
+                                      max_tokens=10, logprobs=2)
+    lp = reply.choices[0].logprobs
+    assert "".join(lp.tokens) == reply.choices[0].text and len(lp.token_logprobs) == 10
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(10)]
+    assert all(len(top) == 2 and max(top.values()) == pytest.approx(p)
+               for top, p in zip(lp.top_logprobs, lp.token_logprobs))
+
+
+def test_n_choices(client):
+    reply = chat(client, QUESTION, max_tokens=10, n=2)
+    single = chat(client, QUESTION, max_tokens=10)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert [c.message.content for c in reply.choices] == [single.choices[0].message.content] * 2
+    assert reply.usage.completion_tokens == 2 * single.usage.completion_tokens
+    assert reply.usage.prompt_tokens == single.usage.prompt_tokens
+    text, chunks = {}, list(chat(client, QUESTION, max_tokens=10, n=2, stream=True))
+    for c in chunks:
+        for choice in c.choices:
+            text[choice.index] = text.get(choice.index, "") + (choice.delta.content or "")
+    assert text == {0: reply.choices[0].message.content, 1: reply.choices[0].message.content}
+    seeded = chat(client, "Tell me a story.", max_tokens=12, temperature=1.0, seed=40, n=2)
+    alone = [chat(client, "Tell me a story.", max_tokens=12, temperature=1.0, seed=40 + i)
+             .choices[0].message.content for i in range(2)]
+    assert [c.message.content for c in seeded.choices] == alone  # choice i uses seed + i
+
+
+# ------------------------------------------ one slot: queue, disconnects, SIGTERM
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """One slot and one queue place; short keepalive and shutdown timeout. The last test
+    of this file stops it with SIGTERM."""
+    log = tmp_path_factory.mktemp("small") / "serve.log"
+    with server_process("--parallel", "1", "--max-queue", "1", "--sse-keepalive", "0.3",
+                        "--shutdown-timeout", "2", log=log) as (base, _, proc):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        yield base, client, proc, log
+
+
+def wait_metric(base: str, name: str, value: float, seconds: float) -> float:
+    start = time.monotonic()
+    while metric(base, name) != value:
+        assert time.monotonic() - start < seconds, f"{name} != {value} after {seconds} s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def test_queue_limit_keepalive_comments_and_disconnected_streams(small):
+    base, client, _, _ = small
+    long = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5, 6, 7, 8,",
+                                     temperature=0, max_tokens=3000, stream=True)
+    first = [next(iter(long)) for _ in range(3)]
+    assert first
+    lines = []
+
+    def queued_stream():
+        with httpx.stream("POST", base + "/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": "Hello", "max_tokens": 4, "stream": True}) as r:
+            lines.extend(line for line in r.iter_lines() if line)
+
+    queued = threading.Thread(target=queued_stream)
+    queued.start()
+    wait_metric(base, "strata_queue_length", 1, 30)  # the second request waits for the slot
+    time.sleep(1.0)
+    with pytest.raises(openai.RateLimitError) as info:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=4)
+    retry = info.value.response.headers["retry-after"]
+    assert retry.isdigit() and int(retry) >= 1
+    long.close()  # the client goes away mid-stream
+    queued.join(60)
+    waiting = [line for line in lines if line.startswith(":")]
+    assert len(waiting) >= 2, lines  # SSE comments while it waited ~1 s, every 0.3 s
+    assert lines.index(waiting[0]) < next(i for i, l in enumerate(lines) if l.startswith("data: {"))
+    assert lines[-1] == "data: [DONE]"
+    assert metric(base, 'strata_requests_total{finish_reason="abort"}') == 1
+    wait_metric(base, "strata_slots_used", 0, 10)
+
+
+def test_whole_request_whose_client_leaves_frees_its_slot_within_a_second(small):
+    base, _, _, log = small
+    aborted = metric(base, 'strata_requests_total{finish_reason="abort"}')
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 3000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # an SDK that gives up
+        httpx.post(base + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=2))
+    assert wait_metric(base, "strata_slots_used", 0, 1.0) <= 1.0
+    assert metric(base, 'strata_requests_total{finish_reason="abort"}') == aborted + 1
+
+
+def test_retry_after_grows_with_the_queue():
+    from strata.config import EngineConfig
+    from strata.server.async_engine import AsyncEngine
+    from strata.server.metrics import Metrics
+    engine = AsyncEngine(EngineConfig(parallel=2), None, Metrics(), max_queue=8)
+    engine._seconds_per_request = 4.0
+    estimates = []
+    for unfinished in (2, 4, 10):
+        engine._unfinished = unfinished
+        estimates.append(engine.retry_after())
+    assert estimates == [2, 6, 18]  # (waiting + 1) / slots x seconds per request
+
+
+def test_sigterm_ends_running_requests_after_the_shutdown_timeout(small):
+    """Runs last on this server: SIGTERM lets a running request go on for
+    --shutdown-timeout (2 s), then ends it with an OpenAI-shaped 503 and exits."""
+    base, _, proc, _ = small
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 3000, "temperature": 0}
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(
+        response=httpx.post(base + "/v1/completions", json=body, timeout=60)))
+    thread.start()
+    wait_metric(base, "strata_slots_used", 1, 30)
+    start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    # uvicorn shuts down gracefully, then re-raises the signal: exit status -SIGTERM.
+    thread.join(30)
     assert proc.wait(timeout=20) in (0, -signal.SIGTERM)
+    assert 1.5 < time.monotonic() - start < 10
+    response = result["response"]
+    assert is_openai_error(response, 503) and "shutting down" in response.json()["error"]["message"]
     with pytest.raises(httpx.TransportError):
-        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+        httpx.get(base + "/health", timeout=2)

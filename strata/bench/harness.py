@@ -19,12 +19,11 @@ import httpx
 from strata.bench.client import concurrent, measure, solo
 from strata.bench.config import Arm, BenchConfig
 from strata.bench.process import log_tail, served
-from strata.bench.report import append_result, commit, machine
+from strata.bench.report import RESULTS, append_result, commit, machine
 from strata.bench.stages import BusyMeter
 from strata.bench.table import acceptance_table, busy_table, rate, speed_table
 from strata.errors import StrataError
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results.jsonl"
 WARMUP_TOKENS = 8
 # NOTE: not a workload's prompt: a drafter that learns from recent outputs (Strata's suffix
 # tree) must not have seen any part of a measured answer before it is measured.

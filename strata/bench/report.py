@@ -1,8 +1,11 @@
 """What every benchmark prints with its numbers: the machine, the commit and the
-settings; a markdown table; and a JSON line appended to a results file."""
+settings; a markdown table; and, when asked (`--record`, `--results FILE`), a JSON line
+appended to a results file. Nothing is appended by default: benchmarks/results.jsonl is
+tracked, and a run that wrote to it would mark every later run "+dirty"."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -52,3 +55,23 @@ def append_result(path: str | Path, record: dict) -> None:
               "commit": commit(), **record}
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results.jsonl"
+
+
+def add_record_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--record", action="store_true", help="append the raw numbers to "
+                        "benchmarks/results.jsonl (tracked: commit them with the tables)")
+    parser.add_argument("--results", metavar="FILE", help="append the raw numbers to FILE")
+
+
+def record(args: argparse.Namespace, result: dict) -> None:
+    """Append `result` where --results or --record say; say where, or how to keep it."""
+    path = args.results or (RESULTS if args.record else None)
+    if path is None:
+        print("\n(raw numbers not kept: --record appends them to benchmarks/results.jsonl, "
+              "--results FILE elsewhere)")
+        return
+    append_result(path, result)
+    print(f"\nraw numbers appended to {path}")

@@ -25,12 +25,29 @@ from strata.stage.runner import ModelRunner, Runner
 from strata.weights.checkpoint import open_checkpoint
 
 
+def context_size(config: EngineConfig, model_config) -> int:
+    """Tokens per slot: --max-context, or the model's context up to 4096."""
+    return config.max_context or min(model_config.max_position, 4096)
+
+
+def check_prompt(prompt_ids: list[int], max_context: int, vocab: int) -> None:
+    """Raise StrataError if the prompt cannot run in one slot (callable before loading)."""
+    if not prompt_ids:
+        raise StrataError("the prompt is empty; give at least one token")
+    if len(prompt_ids) >= max_context:
+        raise StrataError(f"the prompt is {len(prompt_ids)} tokens but --max-context is "
+                          f"{max_context} (prompt plus at least one generated token); "
+                          "shorten the prompt or raise --max-context")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        raise StrataError(f"prompt token ids must be in 0..{vocab - 1}")
+
+
 class Engine:
     def __init__(self, config: EngineConfig, checkpoint=None):
         self.config = config
         self.checkpoint = checkpoint if checkpoint is not None else open_checkpoint(config.model)
         self.model_config = self.checkpoint.config
-        self.max_context = config.max_context or min(self.model_config.max_position, 4096)
+        self.max_context = context_size(config, self.model_config)
         if self.max_context > self.model_config.max_position:
             raise StrataError(f"--max-context {self.max_context} is larger than the model's "
                               f"context of {self.model_config.max_position} tokens; lower it")
@@ -62,15 +79,7 @@ class Engine:
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Raise StrataError if the prompt cannot run in one slot."""
-        if not prompt_ids:
-            raise StrataError("the prompt is empty; give at least one token")
-        if len(prompt_ids) >= self.max_context:
-            raise StrataError(f"the prompt is {len(prompt_ids)} tokens but --max-context is "
-                              f"{self.max_context} (prompt plus at least one generated token); "
-                              "shorten the prompt or raise --max-context")
-        vocab = self.model_config.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise StrataError(f"prompt token ids must be in 0..{vocab - 1}")
+        check_prompt(prompt_ids, self.max_context, self.model_config.vocab_size)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
@@ -102,13 +111,14 @@ class Engine:
         while (window := self.scheduler.schedule()) is not None:
             self.runner.submit(window)
         if self.runner.num_in_flight == 0:
-            return []
+            return self.scheduler.take_failed()
         collect = time.perf_counter()
         window, result = self.runner.collect()
         commit = time.perf_counter()
         for stage, seconds in enumerate(result.stage_seconds):
             self.stage_seconds[stage] += seconds
-        updated = self.scheduler.commit(window, result.tokens, result.stage_drafts)
+        updated = self.scheduler.commit(window, result.tokens, result.stage_drafts,
+                                        result.errors, result.logprobs)
         self.scheduler_seconds += (collect - start) + (time.perf_counter() - commit)
         return updated
 

@@ -5,13 +5,21 @@ plan, waits until every stage has loaded its layers, then sends each submitted w
 header to every stage. A receiver thread takes results from the last stage in order.
 `collect` waits for the oldest window's result while watching the stages: a stage process
 that exits, or no result for --stage-timeout seconds, raises StageFailure within a
-fraction of a second of being noticed, and every stage process is stopped.
+fraction of a second of being noticed, and every stage process is stopped. A watchdog
+thread waits on the stage processes' sentinels all the time, so a stage that dies while
+the engine is idle is known at once (`failure`).
+
+A failure is told in one line that names the stage that died for a reason of its own:
+stages that stop only because a neighbour vanished exit with NEIGHBOUR_GONE and are named
+only when no other stage died. Transport errors (gloo's text, peer addresses) go to the
+log, never into the message.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import queue
 import threading
 import time
@@ -24,7 +32,7 @@ from strata.errors import StrataError
 from strata.kvcache.spec import CacheSize
 from strata.pipeline import rendezvous
 from strata.pipeline.transport import Pending, pack, recv_object, send_object, send_packed
-from strata.pipeline.worker import STOP, WINDOW, stage_process_main
+from strata.pipeline.worker import NEIGHBOUR_GONE, STOP, WINDOW, stage_process_main
 from strata.scheduler.window import Window
 from strata.stage.results import WindowResult
 from strata.stage.runner import check_device
@@ -32,7 +40,6 @@ from strata.stage.runner import check_device
 log = logging.getLogger("strata.pipeline")
 
 POLL_SECONDS = 0.1
-AFTER_START = "in-flight requests failed and the engine stopped; restart it"
 
 
 class StageFailure(StrataError):
@@ -61,6 +68,7 @@ class PipelineRunner:
         self.last_progress = time.monotonic()
         self.receiver: threading.Thread | None = None
         self.closed = False
+        self.failure: str | None = None  # set by the watchdog when a stage process exits
         try:
             self._start()
         except BaseException:
@@ -94,6 +102,9 @@ class PipelineRunner:
         self.receiver = threading.Thread(target=self._receive, name="strata-results",
                                          daemon=True)
         self.receiver.start()
+        if self.processes:
+            threading.Thread(target=self._watch, name="strata-stage-watchdog",
+                             daemon=True).start()
         config = self.plan.config
         log.info("%d stage processes ready (%s), %d groups, hidden states over %s",
                  self.num_stages, ", ".join(
@@ -121,33 +132,38 @@ class PipelineRunner:
 
     def submit(self, window: Window) -> None:
         if self.closed:
-            raise StageFailure("the stage processes have stopped; restart the engine")
+            raise StageFailure(f"the stage processes have stopped ({self.failure or 'closed'})")
         header = window.header
         if not self.in_flight:
             self.last_progress = time.monotonic()
         message = pack((WINDOW, header))
-        for stage in range(self.num_stages):
-            send_packed(message, stage + 1, self.pending)
+        try:
+            for stage in range(self.num_stages):
+                send_packed(message, stage + 1, self.pending)
+        except Exception as e:  # noqa: BLE001 - a stage is gone; say which, not gloo's text
+            log.warning("sending a window to the stages failed: %s", e)
+            self._check_alive()
+            self._fail("sending a window to the stage processes failed")
         self.in_flight.append(window)
 
     def collect(self) -> tuple[Window, WindowResult]:
         """The oldest window in flight and its result, in submission order."""
         if self.closed:
-            raise StageFailure("the stage processes have stopped; restart the engine")
+            raise StageFailure(f"the stage processes have stopped ({self.failure or 'closed'})")
         while True:
             try:
                 result = self.results.get(timeout=POLL_SECONDS)
                 break
             except queue.Empty:
-                self._check_alive(AFTER_START)
+                self._check_alive()
                 waited = time.monotonic() - self.last_progress
                 if waited > self.timeout:
                     self._fail(f"no result from the stages for {waited:.0f} s "
-                               f"(--stage-timeout {self.timeout:g}): a stage is hung; "
-                               + AFTER_START)
+                               f"(--stage-timeout {self.timeout:g}): a stage is hung")
         if isinstance(result, Exception):
-            self._check_alive(AFTER_START)
-            self._fail(f"the connection to the last stage failed ({result}); " + AFTER_START)
+            log.warning("receiving from the last stage failed: %s", result)
+            self._check_alive()
+            self._fail("the connection to the last stage failed")
         self.last_progress = time.monotonic()
         return self.in_flight.popleft(), result
 
@@ -159,13 +175,34 @@ class PipelineRunner:
             self.results.put(e)
 
     # -- faults and shutdown ----------------------------------------------------------------
-    def _check_alive(self, when: str) -> None:
-        for stage, process in enumerate(self.processes):
-            if not process.is_alive():
-                self._fail(f"stage {stage} (pid {process.pid}) exited with code "
-                           f"{process.exitcode}; {when}")
+    def _watch(self) -> None:
+        """Wait until any stage process exits; unless the runner is closing, record why."""
+        fired = multiprocessing.connection.wait([p.sentinel for p in self.processes])
+        for process in self.processes:
+            if process.sentinel in fired:
+                process.join(timeout=1)  # NOTE: its pipe closes just before it can be reaped
+        if not self.closed:
+            self.failure = self._dead_stage()
+            log.error("%s", self.failure)
+
+    def _dead_stage(self) -> str | None:
+        """One line naming the stage process that exited for a reason of its own (a signal,
+        an error), preferred to those that followed a vanished neighbour."""
+        dead = [(i, p) for i, p in enumerate(self.processes) if not p.is_alive()]
+        if not dead:
+            return None
+        first = [d for d in dead if d[1].exitcode != NEIGHBOUR_GONE] or dead
+        stage, process = first[0]
+        return f"stage {stage} (pid {process.pid}) exited with code {process.exitcode}"
+
+    def _check_alive(self, when: str = "") -> None:
+        dead = self._dead_stage()
+        if dead is not None:
+            self.failure = dead
+            self._fail(f"{dead}; {when}" if when else dead)
 
     def _fail(self, message: str):
+        self.failure = self.failure or message
         self.close(graceful=False)
         raise StageFailure(message)
 
@@ -175,6 +212,7 @@ class PipelineRunner:
         if self.closed:
             return
         self.closed = True
+        graceful = graceful and self.failure is None
         if graceful and dist.is_initialized():
             for stage in range(self.num_stages):
                 try:

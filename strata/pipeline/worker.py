@@ -5,7 +5,8 @@ embeds the header's token ids), this stage's layers, then the hidden states on t
 stage, or, on the last stage, verification and MTP drafts and the result back to rank 0.
 Per window a small float64 vector carries every stage's compute seconds down the pipe.
 The stage decides nothing: the header says where every token goes. It exits when rank 0
-says stop, when any send or receive fails (a neighbour died), and when its parent dies.
+says stop, when its parent dies, and when any send or receive fails (a neighbour died:
+exit code NEIGHBOUR_GONE, so the engine names the stage that died first, not this one).
 """
 
 from __future__ import annotations
@@ -29,6 +30,19 @@ log = logging.getLogger("strata.stage")
 
 STOP = "stop"
 WINDOW = "window"
+NEIGHBOUR_GONE = 3  # exit code: a send or receive failed because another process vanished
+
+
+class NeighbourGone(Exception):
+    """A send or receive failed: a neighbouring process (or the engine) is gone."""
+
+
+def _transport(call, *args, **kwargs):
+    """Run a send or receive; its failure means a neighbour is gone (NeighbourGone)."""
+    try:
+        return call(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - gloo and NCCL raise several kinds
+        raise NeighbourGone(str(e)) from e
 
 
 def default_threads(num_stages: int) -> int:
@@ -69,11 +83,9 @@ def run_stage(store: dist.Store, rank: int) -> None:
         torch.cuda.set_device(stage.device)  # NOTE: NCCL binds this process to its GPU
     groups = rendezvous.join_groups(store, rank, plan)
     loop = StageLoop(index, plan, stage, verifier, groups, checkpoint.config.hidden_size)
-    try:
-        loop.serve()
-    finally:
-        loop.pending.wait_all()
-        dist.destroy_process_group()
+    loop.serve()  # NOTE: NeighbourGone leaves at once: sends to a vanished peer never end
+    loop.pending.wait_all()
+    dist.destroy_process_group()
 
 
 class StageLoop:
@@ -91,7 +103,7 @@ class StageLoop:
     def serve(self) -> None:
         with torch.inference_mode():
             while True:
-                kind, header = recv_object(0)
+                kind, header = _transport(recv_object, 0)
                 if kind == STOP:
                     return
                 self.run(header)
@@ -104,20 +116,20 @@ class StageLoop:
             x = header.token_ids
             seconds = torch.zeros(self.num_stages, dtype=torch.float64)
         else:
-            x, seconds = self.link.recv(header.num_tokens, self.rank - 1)
+            x, seconds = _transport(self.link.recv, header.num_tokens, self.rank - 1)
         start = time.perf_counter()
         out = self.stage.forward(x, meta)
         if not self.last:
             if self.cuda:
                 torch.cuda.synchronize(self.stage.device)  # NOTE: so that seconds are compute
             seconds[self.index] = prepared + time.perf_counter() - start
-            self.link.send(out, seconds, self.rank + 1, self.pending)
+            _transport(self.link.send, out, seconds, self.rank + 1, self.pending)
             return
         logits, hidden = out
         result = self.verifier.finish(header, logits, hidden)  # its host read waits for the GPU
         seconds[self.index] = prepared + time.perf_counter() - start
         result.stage_seconds = seconds.tolist()
-        send_object(result, 0, self.pending, group=self.groups.results)
+        _transport(send_object, result, 0, self.pending, group=self.groups.results)
 
 
 def stage_process_main(host: str, port: int, world_size: int, rank: int) -> None:
@@ -128,7 +140,11 @@ def stage_process_main(host: str, port: int, world_size: int, rank: int) -> None
     store = rendezvous.connect_store(rendezvous.Address(host, port, world_size))
     try:
         run_stage(store, rank)
-    except Exception as e:  # noqa: BLE001 - a neighbour died or the engine went away
-        log.error("stopped: %s", e)
+    except NeighbourGone as e:
+        log.error("stopped: a neighbouring process is gone (%s)", e)
+        sys.stderr.flush()
+        os._exit(NEIGHBOUR_GONE)
+    except Exception as e:  # noqa: BLE001 - this stage's own failure; the engine names it
+        log.exception("stopped: %s", e)
         sys.stderr.flush()
         os._exit(1)

@@ -1,5 +1,5 @@
 """Sampling: the processed distribution of a row of logits under its request's
-parameters (temperature, top-k, top-p, min-p).
+parameters (logit bias, temperature, top-k, top-p, min-p).
 
 The Verifier draws every token from `processed_probs` (with the exponential-race trick:
 argmax of p / Exp(1) noise), with drafts or without, so there is one sampling path.
@@ -16,7 +16,8 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     """logits: [R, V] -> [R, V] float32 probabilities, row r processed with params[r].
 
     Temperature, top-k, top-p and min-p, renormalised.
-    A greedy row (temperature 0) is the one-hot of its argmax.
+    A greedy row (temperature 0) is the one-hot of its argmax. Logit biases are applied by
+    the caller (`biased_logits`), before this and before any greedy argmax.
     """
     logits = logits.float()
     probs = _truncated_probs(logits, params)
@@ -33,8 +34,8 @@ def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     """float logits [R, V] -> softmax after temperature, top-k and top-p, with min-p zeroing
     (rows not renormalised after min-p). Greedy rows are processed at temperature 1."""
     vocab = logits.shape[1]
-    rows = _to_device([[p.temperature if not p.greedy else 1.0, p.top_k or vocab, p.top_p,
-                        p.min_p] for p in params], torch.float32, logits.device)  # [R, 4]
+    rows = _to_device([[p.temperature if not p.greedy else 1.0, min(p.top_k or vocab, vocab),
+                        p.top_p, p.min_p] for p in params], torch.float32, logits.device)  # [R, 4]
     logits = logits / rows[:, 0:1]
     if any(p.top_k > 0 for p in params):
         logits = _top_k(logits, rows[:, 1].long())
@@ -45,6 +46,26 @@ def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torc
         min_p = rows[:, 3]
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0)
     return probs
+
+
+def biased_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [R, V] with each row's `logit_bias` added (a new float tensor), or the logits
+    themselves when no row has a bias. Token ids outside the vocabulary raise IndexError."""
+    rows, tokens, biases = [], [], []
+    for r, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            rows.append(r)
+            tokens.append(token)
+            biases.append(bias)
+    if not rows:
+        return logits
+    if max(tokens) >= logits.shape[1]:
+        raise IndexError(f"logit_bias token id {max(tokens)} is outside the vocabulary "
+                         f"({logits.shape[1]} tokens)")
+    index = _to_device([rows, tokens], torch.long, logits.device)
+    return logits.float().index_put((index[0], index[1]),
+                                    _to_device(biases, torch.float32, logits.device),
+                                    accumulate=True)
 
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -4,6 +4,8 @@ An entry is one slot's run `[last accepted token, d1..dk]` (k may be 0, which is
 sampling). Its k+1 logits rows are contiguous; row j is the model's distribution for the
 token after the entry's j-th token.
 
+- A request's `logit_bias` is added to its rows first; greedy argmax and sampling both see
+  the biased logits, so drafts stay lossless under a bias too.
 - Greedy entries accept the longest prefix with d_{j+1} == argmax(row j), then add the
   argmax of the row after the last accepted draft (the correction, or the bonus).
 - Sampled entries draw one token from each row's processed distribution p
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.sampling.params import SamplingParams
-from strata.sampling.sampler import processed_probs
+from strata.sampling.sampler import biased_logits, processed_probs
 
 _TINY = 1e-30  # keeps p / noise finite where the noise is 0
 
@@ -48,6 +50,7 @@ class Verifier:
                              f"{num_rows} rows (k + 1 per entry)")
         if not entries:
             return []
+        logits = biased_logits(logits, _row_params(entries))
         layout = _Layout(entries, logits.device)
         sampled = [i for i, e in enumerate(entries) if not e.params.greedy]
         if len(sampled) == len(entries):
@@ -77,6 +80,7 @@ class Verifier:
         the row after the accepted ones."""
         if not entries:
             return []
+        logits = biased_logits(logits, _row_params(entries))
         layout = _Layout(entries, logits.device)
         draws = self._draws(logits, entries)
         success = torch.rand(len(entries), layout.K, device=logits.device) < probability
@@ -97,8 +101,7 @@ class Verifier:
     def _draws(logits: torch.Tensor, entries: list[VerifyEntry]) -> torch.Tensor:
         """One token per row from its processed distribution; a seeded request's row for
         position t uses noise keyed by (seed, t)."""
-        row_params = [e.params for e in entries for _ in range(len(e.draft) + 1)]
-        probs = processed_probs(logits, row_params)                  # [R, V]
+        probs = processed_probs(logits, _row_params(entries))         # [R, V]
         noise = torch.empty_like(probs).exponential_()
         row = 0
         for e in entries:
@@ -108,6 +111,10 @@ class Verifier:
                         e.params.seed, e.position + j, probs.device))
                 row += 1
         return (probs / noise.clamp_min(_TINY)).argmax(dim=-1)      # [R]
+
+
+def _row_params(entries: list[VerifyEntry]) -> list[SamplingParams]:
+    return [e.params for e in entries for _ in range(len(e.draft) + 1)]
 
 
 def position_generator(seed: int, position: int, device: torch.device) -> torch.Generator:

@@ -17,7 +17,9 @@ sequence grows, and `state_rows_per_slot` rows of per-slot state from admission 
 
 from __future__ import annotations
 
+import logging
 from collections import deque
+from contextlib import contextmanager
 
 import torch
 
@@ -29,6 +31,8 @@ from strata.request import Request, RequestStatus
 from strata.sampling.verifier import VerifyEntry
 from strata.scheduler.slot import Slot
 from strata.scheduler.window import Window, WindowHeader, num_committed
+
+log = logging.getLogger("strata.scheduler")
 
 
 class Scheduler:
@@ -55,6 +59,7 @@ class Scheduler:
         self.groups = [self.slots[g::num_groups] for g in range(num_groups)]
         self.in_flight: set[int] = set()  # groups whose window has not been committed yet
         self._next_group = 0  # round robin over idle groups
+        self.failed: list[Request] = []  # failed while drafting; the next commit reports them
 
     # -- requests -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -110,7 +115,10 @@ class Scheduler:
             count = min(slot.num_pending, budget)
             slot.draft = None
             if slot.num_pending == 1 and self.drafts is not None:
-                slot.draft = self.drafts.draft(slot.request, self._room(slot, budget - 1))
+                with self._isolated(slot):
+                    slot.draft = self.drafts.draft(slot.request, self._room(slot, budget - 1))
+                if slot.free:  # its proposer failed: the request failed with it
+                    continue
                 count += len(slot.draft.tokens) if slot.draft else 0
             entries.append((slot, count))
             budget -= count
@@ -136,7 +144,8 @@ class Scheduler:
                 request.status = RequestStatus.RUNNING
                 slot.assign(request)
                 if self.drafts is not None:
-                    self.drafts.admitted(request)
+                    with self._isolated(slot):
+                        self.drafts.admitted(request)
 
     def _build(self, group: int, entries: list[tuple[Slot, int]]) -> Window:
         tokens, positions, rows, tables, sample_rows = [], [], [], [], []
@@ -193,21 +202,34 @@ class Scheduler:
                       drafts=[slot.draft for slot, _ in entries])
 
     def commit(self, window: Window, results: list[list[int]],
-               stage_drafts: list[Draft | None] | None = None) -> list[Request]:
+               stage_drafts: list[Draft | None] | None = None,
+               errors: list[str | None] | None = None,
+               logprobs: list[list | None] | None = None) -> list[Request]:
         """Advance counts by the window and append each sampling entry's tokens (accepted
-        drafts plus one); hand the drafts the last stage made for each sampling entry (MTP)
-        to the proposers. Returns the requests that received tokens."""
+        drafts plus one, with their logprobs where asked); hand the drafts the last stage
+        made for each sampling entry (MTP) to the proposers. An entry that failed on the
+        last stage fails its request. Returns the requests that received tokens or failed,
+        with those that failed since the last commit."""
         self.in_flight.discard(window.header.group)
         produced = iter(results)
         staged = iter(stage_drafts or [])
-        updated = []
+        failed = iter(errors or [])
+        scored = iter(logprobs or [])
+        updated = self.take_failed()
         header = window.header
         for index, request, count, sample, draft in zip(
                 header.slots, window.requests, header.query_lens, header.samples, window.drafts):
             slot = self.slots[index]
             tokens = next(produced) if sample else []
             drafted_on_stage = next(staged, None) if sample else None
+            error = next(failed, None) if sample else None
+            token_logprobs = next(scored, None) if sample else None
             if slot.request is not request:  # aborted while the window was in flight
+                continue
+            if error is not None:
+                request.fail(error)
+                updated.append(request)
+                self._release(slot)
                 continue
             drafted = len(draft.tokens) if draft is not None else 0
             accepted = max(len(tokens) - 1, 0)
@@ -217,18 +239,44 @@ class Scheduler:
             if not sample:
                 continue
             appended = request.extend(tokens, self.max_context)
+            if token_logprobs is not None and request.logprobs is not None:
+                request.logprobs.extend(token_logprobs[:len(appended)])
             updated.append(request)
             if self.drafts is not None:
-                if draft is not None:
-                    self.drafts.record(request, draft, accepted)
-                self.drafts.committed(request, appended, drafted_on_stage)
-            if request.finished:
+                with self._isolated(slot):
+                    if draft is not None:
+                        self.drafts.record(request, draft, accepted)
+                    self.drafts.committed(request, appended, drafted_on_stage)
+            if request.finished and not slot.free:
                 self._release(slot)
+        self.failed = [r for r in self.failed if r not in updated]  # reported already
         return updated
+
+    def take_failed(self) -> list[Request]:
+        """Requests failed outside a commit (their proposer raised) not reported yet."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    @contextmanager
+    def _isolated(self, slot: Slot):
+        """A proposer that raises for a slot's request fails that request only: it is
+        finished with the error, its slot freed, and reported by the next commit."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - one request's drafts must not stop the rest
+            log.exception("drafting failed for %s", slot.request.request_id)
+            request = slot.request
+            if not request.finished:
+                request.fail(f"drafting for this request failed ({type(e).__name__})")
+                self.failed.append(request)
+            self._release(slot)
 
     def _release(self, slot: Slot) -> None:
         if self.drafts is not None:
-            self.drafts.finished(slot.request)
+            try:
+                self.drafts.finished(slot.request)
+            except Exception:  # noqa: BLE001 - the slot is freed regardless
+                log.exception("a proposer failed to forget %s", slot.request.request_id)
         slot.release()
 
 

@@ -19,6 +19,9 @@ class Metrics:
         self.queue_length = Gauge("strata_queue_length", "Requests waiting for a slot", registry=r)
         self.slots_used = Gauge("strata_slots_used", "Slots holding a running request", registry=r)
         self.slots_total = Gauge("strata_slots_total", "Slots (--parallel)", registry=r)
+        self.restarts = Counter("strata_engine_restarts", "Engine restarts after a failure "
+                                "(a stage process died or hung, the engine raised, a load "
+                                "failed)", registry=r)
         self.window_seconds = Histogram(
             "strata_window_seconds", "Time of one engine step: send the idle groups' windows, "
             "commit the oldest", registry=r,

@@ -1,5 +1,9 @@
-"""`strata serve`: check the model and the address, then run uvicorn with the engine
-loading on its own thread (so /health answers 503 until it is ready)."""
+"""`strata serve`: check the model, the devices and the address, then run uvicorn with the
+engine loading on its own thread (so /health answers 503 until it is ready).
+
+SIGTERM stops accepting connections, lets running requests finish for --shutdown-timeout
+seconds, then ends them with an error. When the engine keeps failing (more than
+--max-restarts times in 10 minutes) the server stops and exits with status 1."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import sys
 from strata.config import EngineConfig
 from strata.errors import StrataError
 from strata.server.async_engine import AsyncEngine
-from strata.server.config import ServerConfig
+from strata.server.config import ServerConfig, resolve_api_key
 from strata.server.metrics import Metrics
 from strata.stage.runner import check_device
 from strata.weights.checkpoint import open_checkpoint
@@ -38,6 +42,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
                         stream=sys.stderr)
+    server_config = resolve_api_key(server_config)
     # Bad files, splits and devices fail here, with one line, before the server listens.
     checkpoint = open_checkpoint(engine_config.model)
     for stage in range(len(engine_config.stage_ranges(checkpoint.config.num_layers))):
@@ -45,12 +50,29 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     check_port_free(server_config.host, server_config.port)
     name = server_config.served_model_name or model_name(checkpoint)
     metrics = Metrics()
-    engine = AsyncEngine(engine_config, checkpoint, metrics, server_config.max_queue)
+    engine = AsyncEngine(engine_config, checkpoint, metrics, server_config.max_queue,
+                         server_config.max_restarts)
     app = build_app(engine, server_config, name, metrics)
     logging.getLogger("strata.server").info(
-        "serving '%s' on http://%s:%d (loading the model)", name, server_config.host,
-        server_config.port)
-    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level="warning")
-    if engine.status == "failed":
-        raise StrataError(engine.error or "the engine failed")
+        "serving '%s' on http://%s:%d/v1 (loading the model; /health answers 503 until it "
+        "is ready)", name, server_config.host, server_config.port)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # NOTE: requests still running after --shutdown-timeout end with an error
+            engine.begin_shutdown(server_config.shutdown_timeout)
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(
+        app, host=server_config.host, port=server_config.port, log_level="warning",
+        timeout_graceful_shutdown=server_config.shutdown_timeout + 5))
+
+    def give_up(_reason: str) -> None:
+        server.should_exit = True
+
+    engine.on_fatal = give_up
+    server.run()
+    if engine.fatal is not None:
+        print(f"strata: error: {engine.fatal}", file=sys.stderr)
+        return 1
     return 0

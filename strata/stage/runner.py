@@ -40,6 +40,9 @@ def check_device(device: torch.device) -> None:
 class Runner(Protocol):
     """What the Engine drives: ModelRunner here, PipelineRunner with stage processes."""
 
+    failure: str | None  # why the runner broke on its own, seen from any thread (a stage
+                         # process exited while idle); None while it works
+
     @property
     def num_stages(self) -> int: ...
 
@@ -58,6 +61,8 @@ class Runner(Protocol):
 
 
 class ModelRunner:
+    failure = None  # stages in this process do not break on their own
+
     def __init__(self, config: EngineConfig, checkpoint, cache_size: CacheSize,
                  mtp: bool = False):
         ranges = config.stage_ranges(checkpoint.config.num_layers)

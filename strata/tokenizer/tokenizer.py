@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer as Backend
@@ -160,6 +163,60 @@ class Tokenizer:
             ids = self._prefix + ids + self._suffix
         return ids
 
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """Token ids of `messages` through the chat template. Message contents are the user's
+        text: a special token written in them (`<|im_end|>`) is encoded as plain text, never
+        as the control token, while the template's own special tokens stay special."""
+        specials = self._special_texts
+        risky = [i for i, m in enumerate(messages)
+                 if isinstance(m.get("content"), str) and any(t in m["content"] for t in specials)]
+        if not risky:
+            text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+            return self.encode(text, add_special_tokens=False)
+        # Mark the risky contents, render, then encode the marked parts without special tokens.
+        mark = f"\ue000{secrets.token_hex(8)}\ue001"
+        marked = [dict(m, content=f"{mark}{m['content']}{mark}") if i in risky else m
+                  for i, m in enumerate(messages)]
+        text = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, **kwargs)
+        parts = text.split(mark)
+        if len(parts) % 2 == 0 or any(mark[1:-1] in p for p in parts):
+            raise StrataError("the chat template changed a message's text in a way that hides which "
+                              "part is the message; remove special-token text from the messages")
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if part:
+                backend = self._plain_backend if i % 2 else self._backend
+                ids += backend.encode(part, add_special_tokens=False).ids
+        return ids
+
+    @cached_property
+    def _special_texts(self) -> list[str]:
+        """Texts of the added (special and control) tokens."""
+        return [t.content for t in self._backend.get_added_tokens_decoder().values() if t.content]
+
+    @cached_property
+    def _plain_backend(self) -> Backend:
+        """A copy of the backend that encodes special-token text as ordinary text."""
+        backend = Backend.from_str(self._backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token `i` stands for (a piece of UTF-8 text, possibly incomplete)."""
+        token = self.id_to_token(i)
+        if self._byte_level:
+            if all(c in _BYTE_OF_CHAR for c in token):
+                return bytes(_BYTE_OF_CHAR[c] for c in token)
+            return token.encode()
+        if match := _BYTE_TOKEN.fullmatch(token):
+            return bytes([int(match.group(1), 16)])
+        return token.replace("\u2581", " ").encode()
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        decoder = json.loads(self._backend.to_str()).get("decoder") or {}
+        return "ByteLevel" in json.dumps(decoder)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -179,6 +236,23 @@ class Tokenizer:
             raise StrataError("this model has no chat template; use --raw to send the prompt text as is")
         variables = {**self._special_tokens, **kwargs}
         return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt, **variables)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _end_ids(declared: list[int | None], special_texts: set[str], backend: Backend) -> list[int]:
