@@ -1,8 +1,10 @@
-"""Shared fixtures: the embedded default GGUF and tiny random checkpoints that the tests
-build from a config with transformers' `save_pretrained` (no hub, no downloads)."""
+"""Shared fixtures: the embedded default GGUF (opened once per session) and tiny random
+checkpoints that the tests build from a config with transformers' `save_pretrained` (no
+hub, no downloads)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,20 @@ def build_tiny(kind: str, folder: Path, **overrides):
 @pytest.fixture(scope="session")
 def gguf_path() -> Path:
     return default_gguf()
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint(gguf_path):
+    """The default GGUF opened once (its metadata takes seconds to parse), each tensor
+    dequantized once: give it to `Engine(config, checkpoint)` or `LLM(config, checkpoint)`
+    with `model=str(gguf_path)` in the config. Every engine still builds and loads its own
+    stages from it; only the file's decoding is shared."""
+    from strata.weights.checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(gguf_path)
+    # NOTE: stages copy each tensor into their own parameters and never change it in place.
+    checkpoint.get = functools.cache(checkpoint.get)
+    return checkpoint
 
 
 @pytest.fixture(scope="session")
