@@ -20,6 +20,7 @@ from server_utils import free_port
 from strata.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.errors import StrataError
+from strata.pipeline import worker
 from strata.pipeline.runner import StageFailure
 from strata.sampling.params import SamplingParams
 
@@ -143,15 +144,40 @@ def test_dead_or_hung_stage_fails_fast_and_leaves_no_process(tiny_models, sig):
         engine.step()
 
 
-def test_stage_load_error_names_the_tensor(tmp_path):
-    folder = tmp_path / "bad"
+def checkpoint_that_fails_to_load(folder: Path) -> Path:
+    """A tiny llama whose config.json does not match its tensors: every stage fails."""
     build_tiny("llama", folder)
     config = json.loads((folder / "config.json").read_text())
     config["intermediate_size"] = 100  # the saved tensors are 96 wide
     (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_stage_load_error_names_the_tensor(tmp_path):
+    folder = checkpoint_that_fails_to_load(tmp_path / "bad")
     with pytest.raises(StrataError, match="stage 0 could not load.*mlp.*shape"):
         Engine(EngineConfig(model=str(folder), layer_split=(2,), devices=("cpu", "cpu"),
                             stage_threads=1))
+
+
+def stage_1_loads_late(host: str, port: int, world_size: int, rank: int) -> None:
+    """A stage process (the engine's, swapped in below) that exits as soon as its load
+    error is stored, while stage 1 (rank 2) has not begun to load."""
+    worker.REPORT_SECONDS = 0
+    if rank == 2:
+        time.sleep(60)  # until the engine stops it
+    worker.stage_process_main(host, port, world_size, rank)
+
+
+def test_load_error_wins_over_the_exit_that_follows_it(tmp_path, monkeypatch):
+    """Stage 0 reports its load error and exits while stage 1 is still loading: the engine
+    reports the error, not that stage 0 exited, and stops stage 1."""
+    folder = checkpoint_that_fails_to_load(tmp_path / "bad")
+    monkeypatch.setattr("strata.pipeline.runner.stage_process_main", stage_1_loads_late)
+    with pytest.raises(StrataError, match="stage 0 could not load.*mlp.*shape"):
+        Engine(EngineConfig(model=str(folder), layer_split=(2,), devices=("cpu", "cpu"),
+                            stage_threads=1))
+    assert stage_processes(os.getpid()) == []
 
 
 def children(pid: int) -> list[int]:
@@ -163,6 +189,19 @@ def children(pid: int) -> list[int]:
             continue
         if int(fields[1]) == pid:
             out.append(int(stat.parent.name))
+    return out
+
+
+def stage_processes(pid: int) -> list[int]:
+    """The children of `pid` that multiprocessing spawned: stage processes (not its
+    resource tracker)."""
+    out = []
+    for child in children(pid):
+        try:
+            if "spawn_main" in Path(f"/proc/{child}/cmdline").read_text():
+                out.append(child)
+        except OSError:
+            continue  # it exited
     return out
 
 
