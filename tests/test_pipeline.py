@@ -20,6 +20,7 @@ from server_utils import free_port
 from strata.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.errors import StrataError
+from strata.llm import LLM
 from strata.pipeline import worker
 from strata.pipeline.runner import StageFailure
 from strata.sampling.params import SamplingParams
@@ -36,7 +37,9 @@ def repetitive_prompts(vocab: int) -> list[list[int]]:
 
 
 def stage_pids(engine: Engine) -> list[int]:
-    return [p.pid for p in engine.runner.processes]
+    pids = [p.pid for p in engine.runner.processes]
+    assert len(pids) == engine.runner.num_stages  # one process per stage, none missing
+    return pids
 
 
 def alive(pid: int) -> bool:
@@ -134,10 +137,12 @@ def test_dead_or_hung_stage_fails_fast_and_leaves_no_process(tiny_models, sig):
                                  stage_timeout=2))
     pids = stage_pids(engine)
     seconds, message = run_until_failure(engine, lambda: os.kill(pids[1], sig))
+    # NOTE: the bounds are seconds, not minutes, with room for a loaded machine; which
+    # check noticed the failure (the exit or --stage-timeout) the message says.
     if sig == signal.SIGKILL:
-        assert seconds < 3 and "stage 1" in message and "exited" in message
+        assert seconds < 10 and "stage 1" in message and "exited" in message
     else:
-        assert seconds < 6 and "hung" in message and "--stage-timeout" in message
+        assert seconds < 15 and "hung" in message and "--stage-timeout" in message
     wait_gone(pids)
     assert engine.has_work
     with pytest.raises(StageFailure, match="stopped"):
@@ -240,8 +245,8 @@ def served_model(base: str) -> str:
 def test_server_with_a_killed_stage_errors_and_answers_503(tmp_path):
     proc, base = start_server(tmp_path / "server.log")
     try:
-        stages = children(proc.pid)
-        assert len(stages) >= 2
+        stages = stage_processes(proc.pid)
+        assert len(stages) == 2
         body = {"model": served_model(base), "prompt": [1, 2, 3, 4], "max_tokens": 2000,
                 "temperature": 0, "stream": True}
         start = None
@@ -249,7 +254,7 @@ def test_server_with_a_killed_stage_errors_and_answers_503(tmp_path):
             lines = response.iter_lines()
             for line in lines:
                 if line.startswith("data: {") and start is None:
-                    for pid in stages:  # the stage processes (and multiprocessing's helper)
+                    for pid in stages:
                         os.kill(pid, signal.SIGKILL)
                     start = time.monotonic()
                 if "error" in line:
@@ -257,7 +262,8 @@ def test_server_with_a_killed_stage_errors_and_answers_503(tmp_path):
                     break
             else:
                 pytest.fail("the stream ended without an error")
-        assert time.monotonic() - start < 5
+        # NOTE: well under --stage-timeout (20 s): the exits themselves were noticed
+        assert time.monotonic() - start < 10
         health = httpx.get(f"{base}/health", timeout=5)
         assert health.status_code == 503 and "stage" in health.json()["error"]
         refused = httpx.post(f"{base}/v1/completions", json={**body, "stream": False},
@@ -271,7 +277,8 @@ def test_server_with_a_killed_stage_errors_and_answers_503(tmp_path):
 
 def test_sigterm_stops_the_server_and_its_stages(tmp_path):
     proc, base = start_server(tmp_path / "server.log")
-    stages = children(proc.pid)
+    stages = stage_processes(proc.pid)
+    assert len(stages) == 2
     reply = httpx.post(f"{base}/v1/completions", timeout=60, json={
         "model": served_model(base), "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0})
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 8
@@ -282,23 +289,24 @@ def test_sigterm_stops_the_server_and_its_stages(tmp_path):
 
 def test_server_killed_with_sigkill_leaves_no_stage(tmp_path):
     proc, _ = start_server(tmp_path / "server.log")
-    stages = children(proc.pid)
+    stages = stage_processes(proc.pid)
+    assert len(stages) == 2
     proc.kill()
     proc.wait()
     wait_gone(stages, seconds=5)  # each stage watches its parent
 
 
-def test_torchrun_runs_the_same_stages():
-    flags = ["generate", "The cat sat", "--max-tokens", "12", "--temperature", "0"]
-    one = subprocess.run([sys.executable, "-m", "strata.cli", *flags], capture_output=True,
-                         text=True, timeout=120)
-    assert one.returncode == 0, one.stderr
+def test_torchrun_runs_the_same_stages(gguf_path, default_checkpoint):
+    llm = LLM(EngineConfig(model=str(gguf_path)), default_checkpoint)  # one process
+    one = "".join(llm.stream(llm.encode_prompt("The cat sat"),
+                             SamplingParams(temperature=0, max_tokens=12)))
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         "-m", "strata.cli", *flags, "--layer-split", "10,20", "--devices", "cpu,cpu,cpu",
-         "--stage-threads", "1"], capture_output=True, text=True, timeout=180)
+         "-m", "strata.cli", "generate", "The cat sat", "--max-tokens", "12", "--temperature",
+         "0", "--layer-split", "10,20", "--devices", "cpu,cpu,cpu", "--stage-threads", "1"],
+        capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr
-    assert run.stdout == one.stdout and one.stdout.strip()
+    assert run.stdout == one + "\n" and one.strip()  # `strata generate` ends with a newline
 
 
 def test_server_whose_model_fails_to_load_starts_no_stage(tiny_models, tmp_path):
@@ -322,9 +330,7 @@ def test_server_whose_model_fails_to_load_starts_no_stage(tiny_models, tmp_path)
                 pass
             time.sleep(0.2)
         assert "tokenizer.json" in health.json()["error"]
-        stages = [p for p in children(proc.pid)
-                  if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
-        assert stages == []
+        assert stage_processes(proc.pid) == []
     finally:
         proc.kill()
         proc.wait()
