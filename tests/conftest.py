@@ -64,6 +64,29 @@ def default_checkpoint(gguf_path):
 
 
 @pytest.fixture(scope="session")
+def tiny_served_model(tmp_path_factory, gguf_path) -> Path:
+    """A folder with a tiny random llama and the default model's tokenizer and chat
+    template: for tests of servers and processes, not of the model; it loads in a blink.
+    The end-of-text tokens' embeddings (tied to the output layer) are zero, so their
+    logits are 0 and greedy answers run to max_tokens."""
+    import transformers
+
+    from strata.tokenizer import Tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny_served")
+    transformers.AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(folder)
+    tokenizer = Tokenizer.from_hf_folder(folder)
+    model = build_tiny("llama", folder, vocab_size=tokenizer.vocab_size,
+                       max_position_embeddings=4096)
+    with torch.no_grad():
+        for token in {*tokenizer.eos_token_ids, model.config.eos_token_id}:
+            model.model.embed_tokens.weight[token] = 0
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """{kind: (folder, transformers model)} for llama, qwen3 and qwen3_moe."""
     out = {}
