@@ -297,15 +297,15 @@ def test_server_killed_with_sigkill_leaves_no_stage(tiny_served_model, tmp_path)
     wait_gone(stages, seconds=5)  # each stage watches its parent
 
 
-def test_torchrun_runs_the_same_stages(gguf_path, default_checkpoint):
-    llm = LLM(EngineConfig(model=str(gguf_path)), default_checkpoint)  # one process
+def test_torchrun_runs_the_same_stages(tiny_served_model):
+    llm = LLM(EngineConfig(model=str(tiny_served_model)))  # one process
     one = "".join(llm.stream(llm.encode_prompt("The cat sat"),
                              SamplingParams(temperature=0, max_tokens=12)))
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         "-m", "strata.cli", "generate", "The cat sat", "--max-tokens", "12", "--temperature",
-         "0", "--layer-split", "10,20", "--devices", "cpu,cpu,cpu", "--stage-threads", "1"],
-        capture_output=True, text=True, timeout=180)
+         "-m", "strata.cli", "generate", "The cat sat", "--model", str(tiny_served_model),
+         "--max-tokens", "12", "--temperature", "0", "--layer-split", "1,3", "--devices",
+         "cpu,cpu,cpu", "--stage-threads", "1"], capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr
     assert run.stdout == one + "\n" and one.strip()  # `strata generate` ends with a newline
 
