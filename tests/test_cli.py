@@ -50,10 +50,10 @@ def test_generate_streams_the_answer():
     assert "generated" in result.stderr
 
 
-def test_generate_raw_completion_is_deterministic(capsys):
-    first = generate(capsys, "def fibonacci(n):", "--raw", "--max-tokens", "16")
-    second = generate(capsys, "def fibonacci(n):", "--raw", "--max-tokens", "16",
-                      "--layer-split", "15")
+def test_generate_raw_completion_is_deterministic(capsys, tiny_served_model):
+    flags = ["def fibonacci(n):", "--raw", "--max-tokens", "16", "--model", str(tiny_served_model)]
+    first = generate(capsys, *flags)
+    second = generate(capsys, *flags, "--layer-split", "2")
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     assert first.stdout == second.stdout and first.stdout.strip()
 
@@ -85,8 +85,8 @@ def test_unsupported_architecture(capsys, tmp_path):
                        "llama, qwen3, qwen3_moe")
 
 
-def test_prompt_longer_than_context(capsys):
-    result = generate(capsys, PROMPT, "--max-context", "12")
+def test_prompt_longer_than_context(capsys, tiny_served_model):
+    result = generate(capsys, PROMPT, "--max-context", "12", "--model", str(tiny_served_model))
     assert_clean_error(result, "--max-context is 12")
     assert "the prompt is " in result.stderr
 
