@@ -64,18 +64,23 @@ def default_checkpoint(gguf_path):
 
 
 @pytest.fixture(scope="session")
-def tiny_served_model(tmp_path_factory, gguf_path) -> Path:
+def gguf_tokenizer_reference(gguf_path):
+    """transformers' tokenizer of the default GGUF (the reference for Strata's)."""
+    import transformers
+    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent),
+                                                      gguf_file=gguf_path.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_served_model(tmp_path_factory, gguf_tokenizer_reference) -> Path:
     """A folder with a tiny random llama and the default model's tokenizer and chat
     template: for tests of servers and processes, not of the model; it loads in a blink.
     The end-of-text tokens' embeddings (tied to the output layer) are zero, so their
     logits are 0 and greedy answers run to max_tokens."""
-    import transformers
-
     from strata.tokenizer import Tokenizer
 
     folder = tmp_path_factory.mktemp("tiny_served")
-    transformers.AutoTokenizer.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(folder)
+    gguf_tokenizer_reference.save_pretrained(folder)
     tokenizer = Tokenizer.from_hf_folder(folder)
     model = build_tiny("llama", folder, vocab_size=tokenizer.vocab_size,
                        max_position_embeddings=4096)
