@@ -4,7 +4,6 @@ fails the engine within seconds and leaves no process behind."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from conftest import build_tiny, prompts
 from server_utils import free_port
@@ -150,11 +151,13 @@ def test_dead_or_hung_stage_fails_fast_and_leaves_no_process(tiny_models, sig):
 
 
 def checkpoint_that_fails_to_load(folder: Path) -> Path:
-    """A tiny llama whose config.json does not match its tensors: every stage fails."""
-    build_tiny("llama", folder)
-    config = json.loads((folder / "config.json").read_text())
-    config["intermediate_size"] = 100  # the saved tensors are 96 wide
-    (folder / "config.json").write_text(json.dumps(config))
+    """A tiny llama whose layer 0 has an MLP tensor of the wrong shape: stage 0 (layers
+    0 and 1) cannot load it, the other stages load."""
+    model = build_tiny("llama", folder)
+    tensors = {name: t.contiguous() for name, t in model.state_dict().items()
+               if name != "lm_head.weight"}  # tied to the embedding
+    tensors["model.layers.0.mlp.gate_proj.weight"] = torch.zeros(100, 64)  # config: 96 rows
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
 
 
