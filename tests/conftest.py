@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded default GGUF (opened once per session) and tiny random
+"""Shared fixtures: the embedded default GGUF (opened once per session, and transformers'
+tokenizer of it), a tiny random model that serves with that tokenizer, and tiny random
 checkpoints that the tests build from a config with transformers' `save_pretrained` (no
 hub, no downloads)."""
 
