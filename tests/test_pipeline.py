@@ -136,18 +136,21 @@ def test_dead_or_hung_stage_fails_fast_and_leaves_no_process(tiny_models, sig):
     engine = Engine(EngineConfig(model=str(tiny_models["llama"][0]), parallel=4,
                                  layer_split=(1, 2, 3), devices=("cpu",) * 4, stage_threads=1,
                                  stage_timeout=2))
-    pids = stage_pids(engine)
-    seconds, message = run_until_failure(engine, lambda: os.kill(pids[1], sig))
-    # NOTE: the bounds are seconds, not minutes, with room for a loaded machine; which
-    # check noticed the failure (the exit or --stage-timeout) the message says.
-    if sig == signal.SIGKILL:
-        assert seconds < 10 and "stage 1" in message and "exited" in message
-    else:
-        assert seconds < 15 and "hung" in message and "--stage-timeout" in message
-    wait_gone(pids)
-    assert engine.has_work
-    with pytest.raises(StageFailure, match="stopped"):
-        engine.step()
+    try:
+        pids = stage_pids(engine)
+        seconds, message = run_until_failure(engine, lambda: os.kill(pids[1], sig))
+        # NOTE: the bounds are seconds, not minutes, with room for a loaded machine; which
+        # check noticed the failure (the exit or --stage-timeout) the message says.
+        if sig == signal.SIGKILL:
+            assert seconds < 10 and "stage 1" in message and "exited" in message
+        else:
+            assert seconds < 15 and "hung" in message and "--stage-timeout" in message
+        wait_gone(pids)
+        assert engine.has_work
+        with pytest.raises(StageFailure, match="stopped"):
+            engine.step()
+    finally:
+        engine.close()  # NOTE: an engine left running would fail every later pipelined test
 
 
 def checkpoint_that_fails_to_load(folder: Path) -> Path:
