@@ -1,8 +1,11 @@
-"""Shared fixtures: the embedded default GGUF and tiny random checkpoints that the tests
-build from a config with transformers' `save_pretrained` (no hub, no downloads)."""
+"""Shared fixtures: the embedded default GGUF (opened once per session, and transformers'
+tokenizer of it), a tiny random model that serves with that tokenizer, and tiny random
+checkpoints that the tests build from a config with transformers' `save_pretrained` (no
+hub, no downloads)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -45,6 +48,48 @@ def build_tiny(kind: str, folder: Path, **overrides):
 @pytest.fixture(scope="session")
 def gguf_path() -> Path:
     return default_gguf()
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint(gguf_path):
+    """The default GGUF opened once (its metadata takes seconds to parse), each tensor
+    dequantized once: give it to `Engine(config, checkpoint)` or `LLM(config, checkpoint)`
+    with `model=str(gguf_path)` in the config. Every engine still builds and loads its own
+    stages from it; only the file's decoding is shared."""
+    from strata.weights.checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(gguf_path)
+    # NOTE: stages copy each tensor into their own parameters and never change it in place.
+    checkpoint.get = functools.cache(checkpoint.get)
+    return checkpoint
+
+
+@pytest.fixture(scope="session")
+def gguf_tokenizer_reference(gguf_path):
+    """transformers' tokenizer of the default GGUF (the reference for Strata's)."""
+    import transformers
+    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent),
+                                                      gguf_file=gguf_path.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_served_model(tmp_path_factory, gguf_tokenizer_reference) -> Path:
+    """A folder with a tiny random llama and the default model's tokenizer and chat
+    template: for tests of servers and processes, not of the model; it loads in a blink.
+    The end-of-text tokens' embeddings (tied to the output layer) are zero, so their
+    logits are 0 and greedy answers run to max_tokens."""
+    from strata.tokenizer import Tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny_served")
+    gguf_tokenizer_reference.save_pretrained(folder)
+    tokenizer = Tokenizer.from_hf_folder(folder)
+    model = build_tiny("llama", folder, vocab_size=tokenizer.vocab_size,
+                       max_position_embeddings=4096)
+    with torch.no_grad():
+        for token in {*tokenizer.eos_token_ids, model.config.eos_token_id}:
+            model.model.embed_tokens.weight[token] = 0
+    model.save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -25,10 +25,10 @@ def test_batched_equals_solo(tiny_models, kind, parallel, window):
     assert engine.generate(batch, params) == solo
 
 
-def test_default_model_batched_equals_solo(gguf_path):
+def test_default_model_batched_equals_solo(gguf_path, default_checkpoint):
     batch = prompts(8, 49152, seed=5, low=4, high=50)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     engine = Engine(EngineConfig(model=str(gguf_path), parallel=8, max_window_tokens=64,
-                                 max_context=128))
+                                 max_context=128), default_checkpoint)
     solo = [engine.generate([p], params)[0] for p in batch]
     assert engine.generate(batch, params) == solo

@@ -1,6 +1,6 @@
-"""`strata bench` end to end in a subprocess on CPU: two started arms, tiny answers; the
-printed tables agree with the raw JSON, every arm and workload is there, and no server
-outlives the run. Bad flags end in one line and exit 2; `--plot` draws a PNG or names
+"""`strata bench` end to end in a subprocess on CPU: two started arms of a tiny random model,
+short answers; the printed tables agree with the raw JSON, every arm and workload is there,
+and no server outlives the run. Bad flags end in one line and exit 2; `--plot` draws a PNG or names
 `pip install matplotlib`. Table labelling of simulated arms is checked without servers."""
 
 from __future__ import annotations
@@ -50,12 +50,13 @@ def agrees(text: str, value: float | None) -> bool:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, tiny_served_model):
     cwd = tmp_path_factory.mktemp("bench")
     plot = ["--plot", "speed.png"] if HAS_MATPLOTLIB else []
-    result = bench("--arm", "no drafts=--spec 0 --parallel 2", "--arm", "drafts=--parallel 2",
-                   "--workloads", "edit,prose", "--users", "2", "--max-tokens", "16",
-                   "--out", "tmp.json", *plot, cwd=cwd)
+    model = f"--model {tiny_served_model}"
+    result = bench("--arm", f"no drafts=--spec 0 --parallel 2 {model}", "--arm",
+                   f"drafts=--parallel 2 {model}", "--workloads", "edit,prose", "--users", "2",
+                   "--max-tokens", "16", "--out", "tmp.json", *plot, cwd=cwd)
     assert result.returncode == 0, result.stdout + result.stderr
     return result, json.loads((cwd / "tmp.json").read_text()), cwd
 
@@ -92,7 +93,7 @@ def test_header_and_acceptance_table(run):
     off, on = raw["arms"]
     assert rows["no drafts"] == ["-", "-"]
     assert all(off["workloads"][w]["solo"]["drafts"]["drafted"] == 0 for w in ("edit", "prose"))
-    assert on["workloads"]["edit"]["solo"]["drafts"]["drafted"] > 0  # the file is copied
+    assert on["workloads"]["edit"]["solo"]["drafts"]["drafted"] > 0  # a random model repeats itself
     for cell, name in zip(rows["drafts"], ["edit", "prose"], strict=True):
         d = on["workloads"][name]["solo"]["drafts"]
         assert cell == (f"{d['acceptance']:.0%} ({d['accepted']}/{d['drafted']})"

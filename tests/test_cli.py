@@ -1,27 +1,41 @@
-"""`strata generate` end to end in a subprocess: it streams an answer, and every kind of
-bad input ends with one clear line on stderr and a non-zero exit, never a traceback."""
+"""`strata generate`: it streams an answer, and every kind of bad input ends with one clear
+line on stderr and exit status 2, never a traceback. A few runs are real processes
+(`python -m strata.cli`: the exit status and streamed stdout of a process); the rest call
+`strata.cli.main` in this process, which is what the process runs."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from conftest import default_gguf
+from strata.cli import main
 
 PROMPT = "What is the capital of France? Answer in one short sentence."
 
 
 def run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """`python -m strata.cli generate ...` in a new process."""
     return subprocess.run([sys.executable, "-m", "strata.cli", "generate", *args],
                           capture_output=True, text=True, timeout=timeout)
 
 
+def generate(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`strata generate ...` in this process: main()'s exit status (argparse's, for flags
+    it rejects) and what it printed. An exception main() lets out fails the test."""
+    try:
+        status = main(["generate", *args])
+    except SystemExit as e:
+        status = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["strata", "generate", *args], status, out.out, out.err)
+
+
 def assert_clean_error(result: subprocess.CompletedProcess, *needles: str) -> None:
-    assert result.returncode != 0
+    assert result.returncode == 2, result
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 or lines[-1].startswith("strata generate: error:"), result.stderr
@@ -36,52 +50,54 @@ def test_generate_streams_the_answer():
     assert "generated" in result.stderr
 
 
-def test_generate_raw_completion_is_deterministic():
-    first = run("def fibonacci(n):", "--raw", "--max-tokens", "16")
-    second = run("def fibonacci(n):", "--raw", "--max-tokens", "16", "--layer-split", "15")
+def test_generate_raw_completion_is_deterministic(capsys, tiny_served_model):
+    flags = ["def fibonacci(n):", "--raw", "--max-tokens", "16", "--model", str(tiny_served_model)]
+    first = generate(capsys, *flags)
+    second = generate(capsys, *flags, "--layer-split", "2")
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     assert first.stdout == second.stdout and first.stdout.strip()
 
 
-def test_missing_model_file():
+def test_missing_model_file():  # a real process: its exit status and its stderr
     assert_clean_error(run(PROMPT, "--model", "/no/such/model.gguf"), "/no/such/model.gguf",
                        "--model")
 
 
-def test_truncated_gguf(tmp_path):
+def test_truncated_gguf(capsys, tmp_path):
     truncated = tmp_path / "cut.gguf"
     truncated.write_bytes(default_gguf().read_bytes()[:3_000_000])
-    assert_clean_error(run(PROMPT, "--model", str(truncated)), "cut.gguf", "truncated")
+    assert_clean_error(generate(capsys, PROMPT, "--model", str(truncated)), "cut.gguf",
+                       "truncated")
 
 
-def test_truncated_safetensors(tiny_models, tmp_path):
+def test_truncated_safetensors(capsys, tiny_models, tmp_path):
     folder, _ = tiny_models["llama"]
     for f in folder.iterdir():
         data = f.read_bytes()
         (tmp_path / f.name).write_bytes(data[:len(data) // 2] if f.suffix == ".safetensors" else data)
-    assert_clean_error(run(PROMPT, "--model", str(tmp_path)), "truncated")
+    assert_clean_error(generate(capsys, PROMPT, "--model", str(tmp_path)), "truncated")
 
 
-def test_unsupported_architecture(tmp_path):
+def test_unsupported_architecture(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    assert_clean_error(run(PROMPT, "--model", str(tmp_path)), "GPT2LMHeadModel",
+    assert_clean_error(generate(capsys, PROMPT, "--model", str(tmp_path)), "GPT2LMHeadModel",
                        "llama, qwen3, qwen3_moe")
 
 
-def test_prompt_longer_than_context():
-    result = run(PROMPT, "--max-context", "12")
+def test_prompt_longer_than_context(capsys, tiny_served_model):
+    result = generate(capsys, PROMPT, "--max-context", "12", "--model", str(tiny_served_model))
     assert_clean_error(result, "--max-context is 12")
     assert "the prompt is " in result.stderr
 
 
 @pytest.mark.parametrize("split", ["10,5", "0", "30", "x,y"])
-def test_invalid_layer_split(split):
-    assert_clean_error(run(PROMPT, "--layer-split", split), "--layer-split")
+def test_invalid_layer_split(capsys, split):
+    assert_clean_error(generate(capsys, PROMPT, "--layer-split", split), "--layer-split")
 
 
-def test_unknown_device():
-    assert_clean_error(run(PROMPT, "--devices", "tpu:0"), "tpu")
+def test_unknown_device(capsys):
+    assert_clean_error(generate(capsys, PROMPT, "--devices", "tpu:0"), "tpu")
 
 
 @pytest.mark.parametrize("flags,needle", [
@@ -92,8 +108,8 @@ def test_unknown_device():
     (["--stage-timeout", "0"], "--stage-timeout"),
     (["--layer-split", "15", "--devices", "cpu,cpu,cpu"], "3 devices for 2 stages"),
 ])
-def test_invalid_pipeline_flags(flags, needle):
-    assert_clean_error(run(PROMPT, *flags), needle)
+def test_invalid_pipeline_flags(capsys, flags, needle):
+    assert_clean_error(generate(capsys, PROMPT, *flags), needle)
 
 
 def test_batch_groups_resolve():

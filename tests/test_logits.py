@@ -58,8 +58,8 @@ def gguf_reference(gguf_path):
                                                 dtype=torch.float32).eval()
 
 
-def test_default_gguf_matches_transformers(gguf_path, gguf_reference):
-    engine = Engine(EngineConfig(model=str(gguf_path), max_context=512))
+def test_default_gguf_matches_transformers(gguf_path, default_checkpoint, gguf_reference):
+    engine = Engine(EngineConfig(model=str(gguf_path), max_context=512), default_checkpoint)
     tok = engine.checkpoint.load_tokenizer()
     text = tok.apply_chat_template([{"role": "user", "content": "Write a haiku about rivers."}])
     ids = tok.encode(text, add_special_tokens=False)

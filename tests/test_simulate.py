@@ -1,6 +1,6 @@
 """`--simulate-acceptance P`: every slot drafts --spec tokens every window and accepts each
-with probability P, labelled simulated everywhere. A server with P = 1 accepts every
-draft, with P = 0 none."""
+with probability P, labelled simulated everywhere. A server (of a tiny random model: the
+text is meaningless anyway) with P = 1 accepts every draft, with P = 0 none."""
 
 from __future__ import annotations
 
@@ -11,17 +11,16 @@ from server_utils import running_server
 from strata.config import EngineConfig
 from strata.errors import StrataError
 
-MODEL = "SmolLM2-135M-Instruct.Q4_1"
-
 
 @pytest.mark.parametrize("probability", [1.0, 0.0])
-def test_server_accepts_every_draft_or_none(tmp_path, probability):
+def test_server_accepts_every_draft_or_none(tiny_served_model, tmp_path, probability):
     log = tmp_path / "serve.log"
-    with running_server("--simulate-acceptance", str(probability), "--spec", "4",
-                        "--parallel", "2", log=log) as (base, _):
+    with running_server("--model", str(tiny_served_model), "--simulate-acceptance",
+                        str(probability), "--spec", "4", "--parallel", "2", log=log) as (base, _):
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
         reply = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}],
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": "Tell me a story."}],
             temperature=0, max_tokens=30)
     drafts = reply.usage.model_extra["drafts"]
     assert drafts["simulated"] is True

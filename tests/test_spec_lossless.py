@@ -1,6 +1,6 @@
 """Speculative decoding is lossless: greedy output with drafts is identical to greedy
 output without them, for one request and for eight at once, on tiny random dense and
-MoE models and on the default model returning a whole source file with one rename."""
+MoE models, and on the default model answering with long stretches of a source file."""
 
 from __future__ import annotations
 
@@ -42,19 +42,20 @@ def test_greedy_identical_with_and_without_drafts(tiny_models, kind):
         assert solo == expected[:1]
 
 
-def test_default_model_copy_heavy_answer_is_identical_with_drafts(gguf_path):
+def test_default_model_copy_heavy_answer_is_identical_with_drafts(gguf_path, default_checkpoint):
     from strata.llm import LLM
 
     # NOTE: SmolLM2-135M does not apply the rename faithfully (transformers gives the same
     # text); it does answer with long stretches copied from the file, which is what drafts
     # are for and what this test needs.
     prompt = edit_prompt("small")
-    params = SamplingParams(temperature=0, max_tokens=300)
-    plain = LLM(EngineConfig(model=str(gguf_path), spec=0, max_context=2048))
+    params = SamplingParams(temperature=0, max_tokens=150)
+    plain = LLM(EngineConfig(model=str(gguf_path), spec=0, max_context=2048), default_checkpoint)
     ids = plain.encode_prompt(prompt)
     expected = plain.generate([ids], params)[0]
     assert "def find_part(self" in expected.text  # copied from the file
-    drafting = LLM(EngineConfig(model=str(gguf_path), spec=8, max_context=2048))
+    drafting = LLM(EngineConfig(model=str(gguf_path), spec=8, max_context=2048),
+                   default_checkpoint)
     got = drafting.generate([ids], params)[0]
     assert got.token_ids == expected.token_ids
-    assert got.drafts.accepted > 100, got.drafts.summary()
+    assert got.drafts.accepted > 50, got.drafts.summary()  # a third of the answer

@@ -30,10 +30,11 @@ def test_split_gives_identical_logits(tiny_models, kind):
         assert tokens == results[0][1]
 
 
-def test_default_gguf_split(gguf_path):
+def test_default_gguf_split(gguf_path, default_checkpoint):
     ids = list(range(100, 140))
-    one = Engine(EngineConfig(model=str(gguf_path), max_context=128))
-    three = Engine(EngineConfig(model=str(gguf_path), layer_split=(10, 20), max_context=128))
+    one = Engine(EngineConfig(model=str(gguf_path), max_context=128), default_checkpoint)
+    three = Engine(EngineConfig(model=str(gguf_path), layer_split=(10, 20), max_context=128),
+                   default_checkpoint)
     torch.testing.assert_close(three.score(ids), one.score(ids), rtol=0, atol=1e-4)
 
 

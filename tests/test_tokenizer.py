@@ -54,8 +54,8 @@ def smol(smol_fields) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return transformers.AutoTokenizer.from_pretrained(str(smollm_dir()), gguf_file=SMOL_NAME)
+def reference(gguf_tokenizer_reference):
+    return gguf_tokenizer_reference  # from smollm_dir() / SMOL_NAME, once per session
 
 
 # ---- GGUF metadata and the SmolLM2 (gpt2 / smollm) tokenizer ---------------------------------------

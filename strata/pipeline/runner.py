@@ -113,17 +113,27 @@ class PipelineRunner:
                  config.num_groups(), "NCCL" if self.plan.nccl else "gloo")
 
     def _wait_ready(self, store) -> None:
+        """Until every stage reports "ok". The first load error reported is raised; a stage
+        that exited without reporting one crashed."""
         keys = rendezvous.strata_keys(store)
         names = [rendezvous.ready_key(i) for i in range(self.num_stages)]
-        while not keys.check(names):
-            self._check_alive("it stopped while loading its layers (its error is above), so the "
-                                  "engine did not start")
+        while True:
+            # NOTE: exits are seen before the keys are read: a stage writes its load error,
+            # then exits, so a stage seen exited here has its error in the keys read below.
+            exited = any(not process.is_alive() for process in self.processes)
+            reported = [keys.get(name).decode() if keys.check([name]) else None
+                        for name in names]
+            for stage, status in enumerate(reported):
+                if status not in (None, "ok"):
+                    self.close(graceful=False)  # at once: the others would not exit by themselves
+                    raise StrataError(f"stage {stage} could not load: "
+                                      f"{status.removeprefix('error: ')}")
+            if None not in reported:
+                return
+            if exited:
+                self._check_alive("it stopped while loading its layers (its error is above), "
+                                  "so the engine did not start")
             time.sleep(POLL_SECONDS)
-        for stage, name in enumerate(names):
-            status = keys.get(name).decode()
-            if status != "ok":
-                raise StrataError(f"stage {stage} could not load: "
-                                  f"{status.removeprefix('error: ')}")
 
     # -- windows ----------------------------------------------------------------------------
     @property

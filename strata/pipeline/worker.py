@@ -31,6 +31,7 @@ log = logging.getLogger("strata.stage")
 STOP = "stop"
 WINDOW = "window"
 NEIGHBOUR_GONE = 3  # exit code: a send or receive failed because another process vanished
+REPORT_SECONDS = 5  # a stage that could not load waits this long for rank 0 to report why
 
 
 class NeighbourGone(Exception):
@@ -64,7 +65,8 @@ def watch_parent(interval: float = 0.5) -> None:
 
 
 def run_stage(store: dist.Store, rank: int) -> None:
-    """The whole life of stage `rank - 1`: load, report ready (or the error), serve."""
+    """The whole life of stage `rank - 1`: load, report ready and serve, or report the
+    load error and exit with status 1."""
     plan = rendezvous.read_plan(store)
     index, config = rank - 1, plan.config
     keys = rendezvous.strata_keys(store)
@@ -75,9 +77,14 @@ def run_stage(store: dist.Store, rank: int) -> None:
         stage.load(checkpoint)
         last = index == plan.num_stages - 1
         verifier = WindowVerifier(stage, config) if last else None
-    except Exception as e:  # noqa: BLE001 - the engine prints it and stops every stage
-        keys.set(rendezvous.ready_key(index), f"error: {e}")
-        return
+    except Exception as e:  # noqa: BLE001 - the engine reports it and stops every stage
+        name = rendezvous.ready_key(index)
+        keys.set(name, f"error: {e}")
+        keys.check([name])  # NOTE: a round trip: the store holds the error before this exits
+        # NOTE: torchrun ends every process as soon as one fails: wait for rank 0 to report
+        # the error (the engine stops its own stage processes at once when it reads it).
+        time.sleep(REPORT_SECONDS)
+        sys.exit(1)
     keys.set(rendezvous.ready_key(index), "ok")
     if stage.device.type == "cuda":
         torch.cuda.set_device(stage.device)  # NOTE: NCCL binds this process to its GPU
