@@ -58,9 +58,18 @@ def default_checkpoint(gguf_path):
     stages from it; only the file's decoding is shared."""
     from strata.weights.checkpoint import open_checkpoint
 
+    from strata.weights.tensor import StoredTensor
+
     checkpoint = open_checkpoint(gguf_path)
-    # NOTE: stages copy each tensor into their own parameters and never change it in place.
-    checkpoint.get = functools.cache(checkpoint.get)
+    read = checkpoint.read
+
+    @functools.cache
+    def dequantized_once(name: str) -> StoredTensor:
+        # NOTE: the same values the loader would get (dequantized to float32, then cast);
+        # stages copy each tensor into their own parameters and never change it in place.
+        return StoredTensor.of(read(name).dense(torch.float32))
+
+    checkpoint.read = dequantized_once
     return checkpoint
 
 
