@@ -40,6 +40,7 @@ from strata.stage.runner import check_device
 log = logging.getLogger("strata.pipeline")
 
 POLL_SECONDS = 0.1
+EXIT_GRACE_SECONDS = 3.0  # how long a failed send or receive waits for a stage exit to show
 
 
 class StageFailure(StrataError):
@@ -152,8 +153,7 @@ class PipelineRunner:
                 send_packed(message, stage + 1, self.pending)
         except Exception as e:  # noqa: BLE001 - a stage is gone; say which, not gloo's text
             log.warning("sending a window to the stages failed: %s", e)
-            self._check_alive()
-            self._fail("sending a window to the stage processes failed")
+            self._fail_transport("sending a window to the stage processes failed")
         self.in_flight.append(window)
 
     def collect(self) -> tuple[Window, WindowResult]:
@@ -172,8 +172,7 @@ class PipelineRunner:
                                f"(--stage-timeout {self.timeout:g}): a stage is hung")
         if isinstance(result, Exception):
             log.warning("receiving from the last stage failed: %s", result)
-            self._check_alive()
-            self._fail("the connection to the last stage failed")
+            self._fail_transport("the connection to the last stage failed")
         self.last_progress = time.monotonic()
         return self.in_flight.popleft(), result
 
@@ -210,6 +209,15 @@ class PipelineRunner:
         if dead is not None:
             self.failure = dead
             self._fail(f"{dead}; {when}" if when else dead)
+
+    def _fail_transport(self, message: str):
+        """A send or receive failed: a stage is gone or going. Its connection can reset
+        before its exit is visible here, so wait a moment for the exit to name the stage."""
+        deadline = time.monotonic() + EXIT_GRACE_SECONDS
+        while time.monotonic() < deadline:
+            self._check_alive()
+            time.sleep(POLL_SECONDS / 10)
+        self._fail(message)
 
     def _fail(self, message: str):
         self.failure = self.failure or message
