@@ -65,7 +65,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls, defaults: dict | None
         else:
             parse = {"int": int, "int | None": int, "float": float, "float | None": float}.get(
                 f.type, str)
-        parser.add_argument(flag, type=parse, default=default, help=f.metadata["help"])
+        parser.add_argument(flag, type=parse, default=default, help=f.metadata["help"],
+                            choices=f.metadata.get("choices"))
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:

@@ -51,6 +51,12 @@ class EngineConfig:
     attention_backend: str = field(default="reference", metadata=_opt(
         "attention kernels every stage uses: reference (gather-then-SDPA in PyTorch, any "
         "device)"))
+    cuda_graphs: str = field(default="auto", metadata=_opt(
+        "capture each CUDA stage's forward as graphs per window size and replay them: auto "
+        "(where the attention backend and layers allow), on (fail where they do not), off",
+        choices=("auto", "on", "off")))
+    cuda_graph_max_tokens: int = field(default=256, metadata=_opt(
+        "largest window (tokens) replayed from a CUDA graph; larger ones run eagerly"))
     dtype: str = field(default="auto", metadata=_opt(
         "weight and activation dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16, fp16"))
     kv: str = field(default="auto", metadata=_opt(
@@ -92,7 +98,9 @@ class EngineConfig:
         if self.attention_backend not in backend_names():
             raise StrataError(f"--attention-backend {self.attention_backend} does not exist; "
                               f"available: {', '.join(backend_names())}")
-        for name in ("parallel", "max_window_tokens", "block_size"):
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise StrataError(f"--cuda-graphs {self.cuda_graphs} is not one of auto, on, off")
+        for name in ("parallel", "max_window_tokens", "block_size", "cuda_graph_max_tokens"):
             if getattr(self, name) < 1:
                 raise StrataError(f"--{name.replace('_', '-')} must be at least 1 "
                                   f"(got {getattr(self, name)})")

@@ -32,10 +32,10 @@ Cache = PagedKVCache | SlotStateCache
 
 def allocate(spec: CacheSpec, size: CacheSize, kv_dtype: torch.dtype,
              device: torch.device | str) -> Cache:
-    """One layer's cache: `size.num_blocks` blocks of KV, or `size.num_state_rows` rows of
-    state."""
+    """One layer's cache: `size.num_blocks` blocks of KV and the padding block, or
+    `size.num_state_rows` rows of state."""
     if isinstance(spec, PagedKVSpec):
-        return PagedKVCache(spec, size.num_blocks * size.block_size, kv_dtype, device)
+        return PagedKVCache(spec, (size.num_blocks + 1) * size.block_size, kv_dtype, device)
     if isinstance(spec, SlotStateSpec):
         return SlotStateCache(spec, size.num_state_rows, device)
     raise TypeError(f"unknown cache spec {spec!r}")

@@ -45,6 +45,13 @@ class CacheSize:
     num_blocks: int      # KV blocks (PagedKVSpec layers)
     block_size: int      # tokens per block
     num_state_rows: int  # rows of per-slot state (SlotStateSpec layers)
+    blocks_per_slot: int = 0  # the most blocks one slot holds (0: up to num_blocks)
+
+    @property
+    def padding_block(self) -> int:
+        """A block past the pool's, allocated by every stage and never handed to a slot:
+        the padding tokens of a window padded to a CUDA-graph bucket write there."""
+        return self.num_blocks
 
 
 def state_rows_per_slot(specs: Iterable[CacheSpec]) -> int:

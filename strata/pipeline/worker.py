@@ -75,6 +75,7 @@ def run_stage(store: dist.Store, rank: int) -> None:
         checkpoint = open_checkpoint(config.model)
         stage = build_stage(config, checkpoint.config, index, plan.cache_size, mtp=plan.mtp)
         stage.load(checkpoint)
+        stage.capture_graphs(config)
         last = index == plan.num_stages - 1
         verifier = WindowVerifier(stage, config) if last else None
     except Exception as e:  # noqa: BLE001 - the engine reports it and stops every stage

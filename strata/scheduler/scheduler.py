@@ -53,7 +53,8 @@ class Scheduler:
         self.max_context, self.max_window_tokens = max_context, max_window_tokens
         self.drafts = drafts if drafts is not None and drafts.enabled else None
         self.mtp_drafts = mtp_drafts
-        self.cache_size = CacheSize(self.pool.num_blocks, block_size, self.state_rows.size)
+        self.cache_size = CacheSize(self.pool.num_blocks, block_size, self.state_rows.size,
+                                    blocks_per_slot)
         self.waiting: deque[Request] = deque()
         self.num_groups = num_groups
         self.groups = [self.slots[g::num_groups] for g in range(num_groups)]

@@ -75,6 +75,8 @@ class ModelRunner:
                   disable=not sys.stderr.isatty(), leave=False) as progress:
             for stage in self.stages:
                 stage.load(checkpoint, progress)
+        for stage in self.stages:
+            stage.capture_graphs(config)
         self.last = WindowVerifier(self.stages[-1], config)
         self._queue: deque[Window] = deque()
 

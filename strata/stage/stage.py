@@ -8,12 +8,16 @@ and decides nothing: the header says where every token goes.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from strata.attention import AttentionBatch, get_backend
-from strata.kvcache.cache import Cache, PagedKVCache, allocate
+from strata.config import EngineConfig
+from strata.errors import StrataError
+from strata.kvcache.cache import Cache, PagedKVCache, SlotStateCache, allocate
 from strata.kvcache.spec import CacheSize
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.linear import LinearFactory, WeightFormat
@@ -22,7 +26,11 @@ from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding
 from strata.models.registry import Architecture, get_architecture
 from strata.scheduler.window import WindowHeader
+from strata.stage.buckets import WindowShape, bucket_sizes
+from strata.stage.graphs import GraphCall, StageGraphs
 from strata.weights.loader import load_module
+
+log = logging.getLogger("strata.engine")
 
 
 class StageModule(nn.Module):
@@ -66,7 +74,8 @@ class Stage:
                  device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
                  cache_size: CacheSize, mtp: bool = False, attention_backend: str = "reference"):
         self.index, self.layers, self.device, self.dtype = index, layers, device, dtype
-        self.arch = arch
+        self.arch, self.cache_size = arch, cache_size
+        self.graphs: StageGraphs | None = None  # set by capture_graphs()
         last = index == num_stages - 1
         with torch.device("meta"):  # parameters are materialised one by one by load()
             self.module = StageModule(arch, *layers, first=index == 0, last=last,
@@ -88,16 +97,55 @@ class Stage:
         load_module(self.module, checkpoint, self.arch, device=self.device, dtype=self.dtype,
                     checkpoint_name=lambda name: name.removeprefix("mtp."), progress=progress)
 
-    def prepare(self, header: WindowHeader) -> ForwardMeta:
-        """The window's ForwardMeta on this stage's device (the backend's metadata too)."""
+    def capture_graphs(self, config: EngineConfig) -> None:
+        """Capture this stage's forward as CUDA graphs (--cuda-graphs) for windows of up
+        to --cuda-graph-max-tokens tokens, one entry per slot; later windows that fit are
+        replayed. `auto` captures where it can and says why not where it cannot."""
+        reason = graphs_unavailable(self)
+        if config.cuda_graphs == "off" or (reason and config.cuda_graphs == "auto"):
+            if reason and config.cuda_graphs == "auto" and self.device.type == "cuda":
+                log.info("stage %d: no CUDA graphs: %s", self.index, reason)
+            return
+        if reason:
+            raise StrataError(f"--cuda-graphs on: {reason}")
+        size = self.cache_size
+        shape = WindowShape(config.parallel + 1, size.blocks_per_slot or size.num_blocks,
+                            size.padding_block)
+        graphs = StageGraphs(self, bucket_sizes(config.cuda_graph_max_tokens), shape,
+                             self.arch.config.hidden_size)
+        with torch.cuda.device(self.device):
+            graphs.capture()
+        self.graphs = graphs
+
+    def prepare(self, header: WindowHeader) -> ForwardMeta | GraphCall:
+        """What forward() needs for the window: its bucket's graph call (its metadata in the
+        graph's buffers), or else its ForwardMeta on this stage's device."""
+        if self.graphs is not None:
+            call = self.graphs.prepare(header)
+            if call is not None:
+                return call
         batch = AttentionBatch(header.query_lens, header.positions, header.slot_mapping,
                                header.block_tables, header.block_size)
         return ForwardMeta.build(batch, self.backend, self.device, header.logits_idx(),
                                  header.state_rows)
 
     @torch.inference_mode()
-    def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: ForwardMeta | GraphCall):
+        if isinstance(meta, GraphCall):
+            return self.graphs.replay(x, meta)
         return self.module(x.to(self.device, non_blocking=True), meta, self.caches)
+
+
+def graphs_unavailable(stage: Stage) -> str | None:
+    """Why this stage's forward cannot be captured as CUDA graphs, or None."""
+    if stage.device.type != "cuda":
+        return f"CUDA graphs need a CUDA device (this stage runs on {stage.device})"
+    if not getattr(stage.backend, "capturable", False):
+        return (f"the {stage.backend.name} attention backend's metadata changes shape with "
+                "every window; use --attention-backend triton")
+    if any(isinstance(c, SlotStateCache) for c in stage.caches):
+        return "layers with per-slot state are not captured yet"
+    return None
 
 
 def build_stage(config, model_config, index: int, cache_size: CacheSize,

@@ -1,0 +1,100 @@
+"""Window buckets and padding (the CUDA-graph path's logic, checked on the CPU): windows
+padded to buckets give the tokens and logits of unpadded windows, with and without drafts,
+in one stage or split."""
+
+import pytest
+import torch
+
+from conftest import prompts
+from strata.config import EngineConfig
+from strata.engine.engine import Engine
+from strata.sampling.params import SamplingParams
+from strata.stage.buckets import WindowShape, bucket_sizes, pad_window, pick_bucket
+from strata.stage.graphs import GraphCall, StageGraphs
+from test_pipeline import repetitive_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.mark.parametrize("largest", [1, 5, 64, 256, 300])
+def test_bucket_sizes_cover_every_window_with_little_waste(largest):
+    sizes = bucket_sizes(largest)
+    assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == largest
+    for n in range(1, largest + 1):
+        bucket = pick_bucket(n, sizes)
+        assert n <= bucket <= max(4, n + n // 4 + 1)  # at most about a quarter wasted
+    assert pick_bucket(largest + 1, sizes) is None
+
+
+def one_window(engine: Engine):
+    """The first window the engine's scheduler builds for its waiting requests."""
+    for p in repetitive_prompts(320)[:3]:
+        engine.add_request(p, GREEDY)
+    return engine.scheduler.schedule()
+
+
+def test_pad_window_adds_one_entry_on_the_padding_block(tiny_models):
+    engine = Engine(EngineConfig(model=str(tiny_models["llama"][0]), parallel=4, spec=0))
+    window = one_window(engine)
+    header = window.header
+    shape = WindowShape(num_entries=5, table_width=10, padding_block=99)
+    padded = pad_window(header, header.num_tokens + 7, shape)
+    real = header.num_tokens
+    assert padded.batch.query_lens == [*header.query_lens, 7] + [0] * (4 - len(header.slots))
+    assert torch.equal(padded.batch.positions[:real], header.positions)
+    assert (padded.batch.positions[real:] == 0).all()
+    assert torch.equal(padded.batch.slot_mapping[:real], header.slot_mapping)
+    assert (padded.batch.slot_mapping[real:] // header.block_size == 99).all()
+    tables = padded.batch.block_tables
+    width = header.block_tables.shape[1]
+    assert tables.shape == (5, 10) and torch.equal(tables[:len(header.slots), :width],
+                                                   header.block_tables)
+    assert (tables[:len(header.slots), width:] == 99).all()
+    assert (tables[len(header.slots):] == 99).all()
+    assert torch.equal(padded.logits_idx[:padded.num_logits], header.logits_idx())
+    assert padded.token_ids.shape == (real + 7,)
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_window(header, real - 1, shape)
+
+
+def padded_everywhere(engine: Engine, sizes: list[int]) -> dict[str, int]:
+    """Every stage of the engine pads its windows to these buckets (eagerly: no graphs on
+    the CPU). Returns counts of windows padded and run eagerly, updated as the engine runs."""
+    counts = {"padded": 0, "eager": 0}
+    for stage in engine.runner.stages:
+        graphs = StageGraphs(stage, sizes,
+                             WindowShape(engine.config.parallel + 1,
+                                         stage.cache_size.blocks_per_slot,
+                                         stage.cache_size.padding_block),
+                             stage.arch.config.hidden_size, graphs=False)
+        graphs.capture()
+        stage.graphs = graphs
+        prepare = stage.prepare
+
+        def counted(header, prepare=prepare, first=stage.index == 0):
+            meta = prepare(header)
+            if first and not isinstance(meta, GraphCall):
+                counts["eager"] += 1
+            elif first and meta.tokens > meta.num_tokens:
+                counts["padded"] += 1
+            return meta
+
+        stage.prepare = counted
+    return counts
+
+
+@pytest.mark.parametrize("split,spec", [((), 0), ((), 8), ((2,), 8)])
+def test_padded_windows_give_the_same_tokens_and_logits(tiny_models, split, spec):
+    folder = str(tiny_models["llama"][0])
+    config = dict(model=folder, parallel=4, layer_split=split, max_window_tokens=32)
+    plain = Engine(EngineConfig(**config, spec=0))
+    padded = Engine(EngineConfig(**config, spec=spec))
+    # Coarse buckets, so that most windows are padded; prompt windows of 25..32 run eagerly.
+    counts = padded_everywhere(padded, [2, 5, 11, 24])
+    ids = prompts(1, 320, seed=3, low=20, high=21)[0]
+    torch.testing.assert_close(padded.score(ids), plain.score(ids), rtol=1e-5, atol=1e-5)
+    assert (padded.generate(repetitive_prompts(320), GREEDY)
+            == plain.generate(repetitive_prompts(320), GREEDY))
+    assert counts["padded"] > 10 and counts["eager"] > 0
+    if spec:
+        assert padded.draft_stats.accepted > 0
