@@ -2,9 +2,10 @@
 
 A Runner takes windows in submission order and returns their results in the same order.
 ModelRunner's stages run one after another, each on its own device; hidden states move
-between devices as the window goes. Windows queue and run when collected, so the engine
-drives this runner exactly like the stage processes (strata/pipeline/runner.py): submit
-each idle group's window, collect the oldest result.
+between devices as the window goes. A window is launched when submitted and verified when
+collected, so the engine drives this runner exactly like the stage processes
+(strata/pipeline/runner.py): submit each idle group's window, collect the oldest result; on
+a GPU the host builds the next window while the device computes the last one.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from tqdm import tqdm
@@ -78,7 +79,7 @@ class ModelRunner:
         for stage in self.stages:
             stage.capture_graphs(config)
         self.last = WindowVerifier(self.stages[-1], config)
-        self._queue: deque[Window] = deque()
+        self._queue: deque[tuple[Window, Any, list[float]]] = deque()  # launched windows
 
     @property
     def num_stages(self) -> int:
@@ -89,11 +90,8 @@ class ModelRunner:
         return len(self._queue)
 
     def submit(self, window: Window) -> None:
-        self._queue.append(window)
-
-    def collect(self) -> tuple[Window, WindowResult]:
-        """Run the oldest submitted window through every stage and verify it."""
-        window = self._queue.popleft()
+        """Launch the window through every stage. On a GPU this returns once the work is
+        queued, so the engine schedules the next group's window while the GPU computes."""
         header = window.header
         seconds = []
         x = header.token_ids
@@ -102,8 +100,12 @@ class ModelRunner:
             x = stage.forward(x, stage.prepare(header))
             # NOTE: no sync is added for this: on CUDA it is the stage's launch time
             seconds.append(time.perf_counter() - start)
-        logits, hidden = x
-        result = self.last.finish(header, logits, hidden)
+        self._queue.append((window, x, seconds))
+
+    def collect(self) -> tuple[Window, WindowResult]:
+        """Verify the oldest window launched (its one host read waits for the GPU)."""
+        window, (logits, hidden), seconds = self._queue.popleft()
+        result = self.last.finish(window.header, logits, hidden)
         result.stage_seconds = seconds
         return window, result
 
