@@ -63,6 +63,7 @@ class Runner(Protocol):
 
 class ModelRunner:
     failure = None  # stages in this process do not break on their own
+    device_wait_seconds = 0.0  # host time spent waiting for the GPU in collect()
 
     def __init__(self, config: EngineConfig, checkpoint, cache_size: CacheSize,
                  mtp: bool = False):
@@ -105,6 +106,10 @@ class ModelRunner:
     def collect(self) -> tuple[Window, WindowResult]:
         """Verify the oldest window launched (its one host read waits for the GPU)."""
         window, (logits, hidden), seconds = self._queue.popleft()
+        if logits.is_cuda:  # the wait the verifier's host read would make, timed apart
+            start = time.perf_counter()
+            torch.cuda.current_stream(logits.device).synchronize()
+            self.device_wait_seconds += time.perf_counter() - start
         result = self.last.finish(window.header, logits, hidden)
         result.stage_seconds = seconds
         return window, result
