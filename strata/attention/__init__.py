@@ -9,7 +9,7 @@ the tests; faster backends (paged kernels for CUDA graphs) register beside it.
 
 from strata.attention import reference  # noqa: F401  (registers "reference")
 from strata.attention.backend import (AttentionBackend, AttentionBatch, backend_names,
-                                      get_backend, register_backend)
+                                      copy_meta, get_backend, register_backend)
 
-__all__ = ["AttentionBackend", "AttentionBatch", "backend_names", "get_backend",
+__all__ = ["AttentionBackend", "AttentionBatch", "backend_names", "copy_meta", "get_backend",
            "register_backend"]
