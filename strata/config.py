@@ -50,7 +50,8 @@ class EngineConfig:
         "and in-flight requests fail"))
     attention_backend: str = field(default="reference", metadata=_opt(
         "attention kernels every stage uses: reference (gather-then-SDPA in PyTorch, any "
-        "device)"))
+        "device) or triton (a paged kernel reading the KV cache directly; CUDA only, needs "
+        "the triton package, which CUDA builds of PyTorch bring)"))
     dtype: str = field(default="auto", metadata=_opt(
         "weight and activation dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16, fp16"))
     kv: str = field(default="auto", metadata=_opt(
