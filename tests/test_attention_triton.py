@@ -229,12 +229,15 @@ def test_importing_strata_does_not_import_triton():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_missing_triton_and_cpu_devices_are_clear_errors(monkeypatch):
+def test_missing_triton_and_cpu_devices_are_clear_errors(monkeypatch, tiny_models):
     backend = get_backend("triton")
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(StrataError, match="runs on CUDA devices; use --attention-backend "
-                                          "reference on the CPU"):
+    cpu_error = "runs on CUDA devices; use --attention-backend reference on the CPU"
+    with pytest.raises(StrataError, match=cpu_error):
         backend.prepare(window([(0, 1)], 4), CPU)
+    if not torch.cuda.is_available():  # refused when the stage is built
+        with pytest.raises(StrataError, match=cpu_error):
+            Engine(EngineConfig(model=str(tiny_models["llama"][0]), attention_backend="triton"))
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton now fails
     with pytest.raises(StrataError, match="needs the triton package: pip install "
                                           "'strata\\[gpu\\]'"):

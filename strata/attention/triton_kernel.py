@@ -16,8 +16,8 @@ long-stable triton.language is used (load/store/dot/where/maximum/exp2): checked
 compile for SM86 and SM90 with triton 3.5 (torch 2.11's) and 3.9.
 """
 
-from __future__ import annotations
-
+# NOTE: no `from __future__ import annotations` here: triton reads the kernel's
+# `tl.constexpr` annotations as objects.
 import torch
 import triton
 import triton.language as tl

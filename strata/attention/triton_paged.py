@@ -66,10 +66,7 @@ class TritonBackend:
         self.kernel = kernel  # triton_kernel.paged_attention
 
     def prepare(self, batch: AttentionBatch, device: torch.device) -> TritonMeta:
-        device = torch.device(device)
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-            raise StrataError("the triton backend runs on CUDA devices; use "
-                              "--attention-backend reference on the CPU")
+        check_device(torch.device(device).type)
         tokens, entries = len(batch.positions), len(batch.query_lens)
         # NOTE: the tile count is a bound by shape (T, B), not the count this window uses.
         tiles = query_tiles(batch.query_lens, -(-tokens // TILE_TOKENS) + entries)
@@ -92,13 +89,23 @@ class TritonBackend:
                            meta.tile_start, meta.tile_count, meta.block_size, scale)
 
 
+def check_device(device_type: str) -> None:
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise StrataError("the triton backend runs on CUDA devices; use "
+                          "--attention-backend reference on the CPU")
+
+
 def make_triton_backend() -> TritonBackend:
-    """Import the kernel (and triton) only when the backend is chosen."""
+    """Import the kernel (and triton) only when the backend is chosen. A machine without
+    CUDA is refused here, when the stage is built; a CPU stage on a CUDA machine when its
+    first window is prepared."""
     try:
         import triton  # noqa: F401
     except ImportError:
         raise StrataError("--attention-backend triton needs the triton package: "
                           "pip install 'strata[gpu]'") from None
+    if not torch.cuda.is_available():
+        check_device("cpu")
     from strata.attention import triton_kernel
 
     assert triton_kernel.BLOCK_M == TILE_TOKENS, "the tile map and the kernel disagree"
