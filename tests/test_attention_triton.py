@@ -2,7 +2,8 @@
 interpreter on the CPU, see conftest.py): decode, drafts, prompt chunks over several query
 tiles, mixed windows, positions rewritten after a rejection, GQA, odd head dims, a bf16
 cache, and padding as a CUDA-graph runner would add it; its metadata's shapes follow the
-window's shape only, and `copy_meta` refills it. Whole engines agree on either backend."""
+window's shape only, and `copy_meta` refills it. The kernel also compiles for SM86 and SM90
+(no GPU needed), and whole engines agree on either backend."""
 
 from __future__ import annotations
 
@@ -107,7 +108,8 @@ def test_odd_head_dims_and_block_sizes(dim, block_size, heads):
 
 def test_positions_rewritten_after_a_rejection():
     """A verify run writes positions 10..14; 1 draft of 4 is accepted, so the next window
-    starts at 12 and rewrites 12 and 13: attention must not see the stale 14."""
+    starts at 12 and rewrites 12 and 13 (13 held a rejected draft): 13 must attend to its
+    new key, and the stale 14 is left unread."""
     pair = caches(2, 64, 4)
     first = window([(10, 5), (3, 2)], 4, seed=5)
     second = window([(12, 2), (5, 1)], 4, tables=first.block_tables.tolist())
@@ -161,6 +163,8 @@ def test_padding_is_harmless_and_meta_shapes_follow_the_window_shape():
     # ...so copying it into the captured one replays the new window exactly.
     q, k, v = inputs(48, 6, 2, 64, seed=4)
     expected = backend.forward(q, k, v, pair[1], new)
+    scratch = caches(2, 64, 4)[0]  # the captured window's own output, elsewhere
+    assert not torch.equal(backend.forward(q, k, v, scratch, static), expected)
     copy_meta(static, new)
     torch.testing.assert_close(backend.forward(q, k, v, pair[1], static), expected,
                                rtol=0, atol=0)
