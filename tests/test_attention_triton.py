@@ -135,10 +135,10 @@ def test_half_precision_caches(dtype, kv_dtype):
 
 def padded(batch: AttentionBatch, tokens: int, entries: int, width: int) -> AttentionBatch:
     """`batch` padded as a CUDA-graph runner would: dummy entries of dummy tokens at
-    position 0, writing and reading only the spare block 0; tables widened with block 0."""
+    position 0 (the last one empty), writing and reading only the spare block 0; tables
+    widened with block 0."""
     extra_tokens, extra_entries = tokens - len(batch.positions), entries - len(batch.query_lens)
-    lens = [1] * extra_entries
-    lens[-1] += extra_tokens - extra_entries
+    lens = [extra_tokens - extra_entries + 2] + [1] * (extra_entries - 2) + [0]
     table = torch.zeros(entries, width, dtype=torch.long)
     table[:batch.block_tables.shape[0], :batch.block_tables.shape[1]] = batch.block_tables
     zeros = torch.zeros(extra_tokens, dtype=torch.long)
@@ -148,7 +148,7 @@ def padded(batch: AttentionBatch, tokens: int, entries: int, width: int) -> Atte
 
 def test_padding_is_harmless_and_meta_shapes_follow_the_window_shape():
     real = window(WINDOWS["mixed"], 4)
-    big = padded(real, tokens=48, entries=6, width=16)
+    big = padded(real, tokens=48, entries=7, width=16)
     qkv = inputs(len(real.positions), 6, 2, 64)
     dummies = inputs(48 - len(real.positions), 6, 2, 64, seed=3)
     ref, _ = run_both(real, qkv, caches(2, 64, 4))
@@ -158,7 +158,7 @@ def test_padding_is_harmless_and_meta_shapes_follow_the_window_shape():
     torch.testing.assert_close(tri[:len(real.positions)], ref, rtol=1e-5, atol=1e-5)
     # Another window of the same (T, B, W) gives metadata of the same shapes...
     backend = get_backend("triton")
-    other = padded(window([(7, 30)], 4, seed=9), tokens=48, entries=6, width=16)
+    other = padded(window([(7, 30)], 4, seed=9), tokens=48, entries=7, width=16)
     static, new = backend.prepare(big, CPU), backend.prepare(other, CPU)
     # ...so copying it into the captured one replays the new window exactly.
     q, k, v = inputs(48, 6, 2, 64, seed=4)

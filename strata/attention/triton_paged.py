@@ -61,6 +61,7 @@ def query_tiles(query_lens: list[int], num_tiles: int) -> torch.Tensor:
 
 class TritonBackend:
     name = "triton"
+    capturable = True  # static metadata shapes, no host sync: CUDA graphs may capture it
 
     def __init__(self, kernel: Callable[..., torch.Tensor]):
         self.kernel = kernel  # triton_kernel.paged_attention
