@@ -48,9 +48,11 @@ class EngineConfig:
     stage_timeout: float = field(default=20.0, metadata=_opt(
         "seconds a window may take in the stage processes before they are declared hung "
         "and in-flight requests fail"))
-    attention_backend: str = field(default="reference", metadata=_opt(
+    attention_backend: str = field(default="auto", metadata=_opt(
         "attention kernels every stage uses: reference (gather-then-SDPA in PyTorch, any "
-        "device)"))
+        "device) or triton (a paged kernel reading the KV cache directly; CUDA only, needs "
+        "the triton package, which CUDA builds of PyTorch bring); auto: triton on CUDA "
+        "stages where triton is installed, else reference"))
     cuda_graphs: str = field(default="auto", metadata=_opt(
         "capture each CUDA stage's forward as graphs per window size and replay them: auto "
         "(where the attention backend and layers allow), on (fail where they do not), off",
@@ -95,7 +97,7 @@ class EngineConfig:
         if self.kv not in ("auto", *DTYPES):
             raise StrataError(f"--kv {self.kv} is not one of auto, {', '.join(DTYPES)}")
         from strata.attention import backend_names
-        if self.attention_backend not in backend_names():
+        if self.attention_backend not in ("auto", *backend_names()):
             raise StrataError(f"--attention-backend {self.attention_backend} does not exist; "
                               f"available: {', '.join(backend_names())}")
         if self.cuda_graphs not in ("auto", "on", "off"):

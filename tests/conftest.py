@@ -6,10 +6,15 @@ hub, no downloads)."""
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# No GPU: the triton backend's kernel runs in triton's interpreter (chosen at its import).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

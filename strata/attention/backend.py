@@ -1,10 +1,12 @@
-"""The AttentionBackend interface, the AttentionBatch it is prepared from, and the
-registry of backends by name (`--attention-backend`)."""
+"""The AttentionBackend interface, the AttentionBatch it is prepared from, the registry of
+backends by name (`--attention-backend`), and `copy_meta`, which refills a captured
+graph's static metadata from a new window's."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import torch
@@ -39,6 +41,28 @@ class AttentionBackend(Protocol):
         its own. `scale` multiplies q·k (default 1/sqrt(D))."""
 
 
+def copy_meta(dst: Any, src: Any) -> None:
+    """Copy backend metadata `src` into `dst` (both the same frozen dataclass), field by
+    field, in place: how a CUDA graph captured over `dst`'s tensors replays a new window.
+    Tensors must agree in shape and dtype, any other field must be equal; all are checked
+    before anything is copied."""
+    if type(dst) is not type(src):
+        raise StrataError(f"copy_meta: {type(src).__name__} cannot fill {type(dst).__name__}")
+    pairs = [(f.name, getattr(dst, f.name), getattr(src, f.name)) for f in fields(dst)]
+    for name, to, new in pairs:
+        if not isinstance(to, torch.Tensor):
+            if to != new:
+                raise StrataError(f"copy_meta: field {name} is {to!r} in the captured "
+                                  f"metadata but {new!r} in the new window's")
+        elif to.shape != new.shape or to.dtype != new.dtype:
+            raise StrataError(f"copy_meta: field {name} is {tuple(to.shape)} {to.dtype} in the "
+                              f"captured metadata but {tuple(new.shape)} {new.dtype} in the "
+                              f"new window's (pad the window to the captured shape)")
+    for _, to, new in pairs:
+        if isinstance(to, torch.Tensor):
+            to.copy_(new, non_blocking=True)
+
+
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
 
 
@@ -50,7 +74,19 @@ def backend_names() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def get_backend(name: str) -> AttentionBackend:
+def resolve_backend(name: str, device: torch.device) -> str:
+    """`auto`: triton on a CUDA device where the triton package is installed, else
+    reference. Any other name is itself."""
+    if name != "auto":
+        return name
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "reference"
+
+
+def get_backend(name: str, device: torch.device | None = None) -> AttentionBackend:
+    """The backend `name` (`auto` resolved for `device`)."""
+    name = resolve_backend(name, device or torch.device("cpu"))
     if name not in _BACKENDS:
         raise StrataError(f"--attention-backend {name} does not exist; "
                           f"available: {', '.join(backend_names())}")

@@ -11,7 +11,6 @@ whose metadata has static shapes (`capturable = True`) and layers without host r
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from strata.attention.backend import copy_meta
 from strata.layers.forward_meta import ForwardMeta
 from strata.scheduler.window import WindowHeader
 from strata.stage.buckets import WindowShape, pad_window, pick_bucket
@@ -112,7 +112,10 @@ class StageGraphs:
         padded = pad_window(header, tokens, self.shape)
         meta = self._meta(padded)
         if self.static_meta:
-            _copy_into(self.captured[tokens].meta, meta)
+            static = self.captured[tokens].meta
+            for name in ("positions", "logits_idx"):
+                getattr(static, name).copy_(getattr(meta, name), non_blocking=True)
+            copy_meta(static.attention, meta.attention)
             meta = None
         return GraphCall(tokens, padded.num_tokens, padded.num_logits, padded.token_ids, meta)
 
@@ -134,17 +137,3 @@ class StageGraphs:
             logits, hidden = out
             return logits[:call.num_logits].clone(), hidden[:call.num_tokens].clone()
         return out[:call.num_tokens].clone()
-
-
-def _copy_into(static: Any, new: Any) -> None:
-    """Copy every tensor of `new` (a ForwardMeta, or a backend's metadata dataclass inside
-    it) into the same place of `static`, whose tensors a captured graph reads."""
-    for f in dataclasses.fields(static):
-        old, value = getattr(static, f.name), getattr(new, f.name)
-        if isinstance(old, torch.Tensor):
-            if old.shape != value.shape:
-                raise RuntimeError(f"CUDA graph metadata '{f.name}' changed shape "
-                                   f"{tuple(old.shape)} -> {tuple(value.shape)}")
-            old.copy_(value, non_blocking=True)
-        elif dataclasses.is_dataclass(old):
-            _copy_into(old, value)

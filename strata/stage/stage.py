@@ -72,7 +72,7 @@ class StageModule(nn.Module):
 class Stage:
     def __init__(self, index: int, arch: Architecture, layers: tuple[int, int], num_stages: int,
                  device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
-                 cache_size: CacheSize, mtp: bool = False, attention_backend: str = "reference"):
+                 cache_size: CacheSize, mtp: bool = False, attention_backend: str = "auto"):
         self.index, self.layers, self.device, self.dtype = index, layers, device, dtype
         self.arch, self.cache_size = arch, cache_size
         self.graphs: StageGraphs | None = None  # set by capture_graphs()
@@ -81,7 +81,7 @@ class Stage:
             self.module = StageModule(arch, *layers, first=index == 0, last=last,
                                       mtp=mtp and last)
         self.module.rotary.reset(device)
-        self.backend = get_backend(attention_backend)
+        self.backend = get_backend(attention_backend, device)
 
         def cache(layer: int) -> Cache:
             return allocate(arch.cache_spec(layer), cache_size, kv_dtype, device)

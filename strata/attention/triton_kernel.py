@@ -1,0 +1,136 @@
+"""The Triton kernel of the `triton` backend: attention straight from the paged KV cache.
+
+Imported only when the backend is built (triton is an optional dependency). One program
+serves one query tile and one kv head (or a chunk of its query heads): the tile's tokens
+are up to BLOCK_M consecutive tokens of one window entry, and its rows are those tokens x
+the query heads that share the kv head, so GQA reads every key once per tile. The program
+walks its entry's key positions 0..(the tile's largest position) BLOCK_N at a time, each
+key's cache row looked up through the entry's block table, and keeps an online softmax
+in fp32 (exp2). A row attends to key positions up to its own token's position; keys of
+positions above a query's are read but masked.
+
+NOTE: nothing here syncs with the host or allocates by data: the loop bound is loaded by
+the program itself, so a launch can be captured in a CUDA graph. Tile sizes are fixed from
+the head dim and dtypes (no autotuning: a fresh machine compiles in seconds), and only
+long-stable triton.language is used (load/store/dot/where/maximum/exp2): checked to
+compile for SM86 and SM90 with triton 3.5 (torch 2.11's) and 3.9.
+"""
+
+# NOTE: no `from __future__ import annotations` here: triton reads the kernel's
+# `tl.constexpr` annotations as objects.
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16  # tokens per query tile (the tile map in triton_paged.py is built with it)
+LOG2_E = 1.4426950408889634  # the kernel's softmax uses exp2
+
+
+@triton.jit
+def _paged_attention(
+        q_ptr, out_ptr, key_ptr, value_ptr,              # [T, H, D] x2, [rows, Hkv, D] x2
+        positions_ptr, block_tables_ptr,                 # [T], [B, W]
+        tile_entry_ptr, tile_start_ptr, tile_count_ptr,  # [tiles] each
+        stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
+        stride_ot, stride_oh, stride_table, qk_scale,    # qk_scale includes log2(e)
+        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, GROUP_BLOCK: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE_FP32: tl.constexpr):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_CHUNKS
+    chunk = tl.program_id(1) % HEAD_CHUNKS
+    entry = tl.load(tile_entry_ptr + tile).to(tl.int64)
+    first = tl.load(tile_start_ptr + tile).to(tl.int64)
+    count = tl.load(tile_count_ptr + tile)
+
+    # Rows: token (row // GROUP_BLOCK) of the tile x query head (row % GROUP_BLOCK) of the
+    # chunk. Rows past the tile's tokens or the group's heads load zeros and store nothing.
+    row = tl.arange(0, BLOCK_M * GROUP_BLOCK)
+    token = row // GROUP_BLOCK
+    group_head = chunk * GROUP_BLOCK + row % GROUP_BLOCK
+    head = kv_head * GROUP + group_head
+    row_ok = (token < count) & (group_head < GROUP)
+    dim = tl.arange(0, BLOCK_D)
+    dim_ok = dim < HEAD_DIM
+    q_rows = (first + token) * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + dim[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)   # [ROWS, BLOCK_D]
+    # Rows without a token take position -1: they attend to nothing and are never stored;
+    # an empty tile (padding of the tile map) runs no key block at all.
+    q_pos = tl.load(positions_ptr + first + token, mask=token < count, other=-1)  # [ROWS]
+    end = tl.max(q_pos, axis=0) + 1
+
+    m_i = tl.full([BLOCK_M * GROUP_BLOCK], -1.0e30, dtype=tl.float32)  # finite: no inf - inf
+    l_i = tl.zeros([BLOCK_M * GROUP_BLOCK], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_BLOCK, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + entry * stride_table
+    for start in range(0, end, BLOCK_N):
+        key_pos = start + tl.arange(0, BLOCK_N)                            # [BLOCK_N]
+        key_ok = key_pos < end
+        block = tl.load(table + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        cache_row = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
+        k_t = tl.load(key_ptr + cache_row[None, :] * stride_kr + kv_head * stride_kh
+                      + dim[:, None], mask=key_ok[None, :] & dim_ok[:, None],
+                      other=0.0).to(q.dtype)                               # [BLOCK_D, BLOCK_N]
+        if IEEE_FP32:
+            qk = tl.dot(q, k_t, input_precision="ieee")
+        else:
+            qk = tl.dot(q, k_t)                                            # [ROWS, BLOCK_N]
+        qk = tl.where(key_pos[None, :] <= q_pos[:, None], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(value_ptr + cache_row[:, None] * stride_vr + kv_head * stride_vh
+                    + dim[None, :], mask=key_ok[:, None] & dim_ok[None, :],
+                    other=0.0).to(q.dtype)                                 # [BLOCK_N, BLOCK_D]
+        if IEEE_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_rows = (first + token) * stride_ot + head * stride_oh
+    tl.store(out_ptr + out_rows[:, None] + dim[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def kernel_constants(head_dim: int, group: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                     block_size: int) -> tuple[dict[str, int | bool], int]:
+    """The kernel's constexprs and num_warps for a head dim, GQA group, dtypes and block
+    size. A tile's queries take at most 16 KB and its key and value blocks at most 16 KB
+    together: shared memory stays under ~50 KB (SM86 has 99 KB) and 16-bit q does not spill
+    registers (checked by compiling for SM86 and SM90 in tests/test_attention_triton.py)."""
+    q_size, kv_size = max(q_dtype.itemsize, 2), max(kv_dtype.itemsize, 2)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    rows = max(BLOCK_M, 16384 // (block_d * q_size))
+    group_block = min(triton.next_power_of_2(group), max(1, rows // BLOCK_M))
+    constants = dict(
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
+        GROUP_BLOCK=group_block, HEAD_CHUNKS=triton.cdiv(group, group_block),
+        BLOCK_N=max(16, min(32, 16384 // (2 * block_d * max(q_size, kv_size)))),
+        BLOCK_D=block_d, IEEE_FP32=q_dtype == torch.float32)
+    num_warps = 4 if BLOCK_M * group_block * block_d * q_size <= 8192 else 8
+    return constants, num_warps
+
+
+def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    positions: torch.Tensor, block_tables: torch.Tensor,
+                    tile_entry: torch.Tensor, tile_start: torch.Tensor,
+                    tile_count: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """q [T, H, D] attends through `block_tables` [B, W] to `key`/`value` [rows, Hkv, D]
+    -> [T, H, D] in q's dtype. Tokens are grouped in tiles (tile_* [tiles], see
+    triton_paged.py); the cache must already hold the window's own keys and values."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = key.shape[1]
+    constants, num_warps = kernel_constants(head_dim, heads // kv_heads, q.dtype, key.dtype,
+                                            block_size)
+    out = torch.empty_like(q)
+    grid = (tile_entry.shape[0], kv_heads * constants["HEAD_CHUNKS"])
+    _paged_attention[grid](
+        q, out, key, value, positions, block_tables, tile_entry, tile_start, tile_count,
+        q.stride(0), q.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2_E,
+        **constants, num_warps=num_warps, num_stages=2)
+    return out

@@ -1,0 +1,116 @@
+"""The `triton` attention backend: paged attention on CUDA, straight from the block cache.
+
+`forward` writes the window's keys and values to their cache rows (an index copy), then
+one Triton kernel (triton_kernel.py) attends: each query tile reads only its own entry's
+keys, up to its largest position, through the entry's block table. Cost grows with each
+entry's own context; nothing is gathered or padded to the window's longest context.
+
+Metadata contract (for CUDA graphs): `prepare` returns a frozen TritonMeta whose tensor
+fields have shapes set only by the window's token count T, entry count B and block-table
+width W — never by positions or lengths — and whose one plain field (`block_size`) is the
+engine's setting. So a graph runner can pad windows to a few (T, B, W) buckets, capture
+`forward` once per bucket over a static TritonMeta, and replay after
+`copy_meta(static, new)` (backend.py). Padding is harmless when dummy tokens have
+position 0 and write a spare block, and dummy entries' block-table rows name that block.
+`forward` never syncs with the host and allocates only by T, H and D.
+
+Importing this module does not import triton: the registered factory does, and says how to
+install it when it is missing. On the CPU the kernel runs only under TRITON_INTERPRET=1
+(the tests); an engine there should use `reference`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from strata.attention.backend import AttentionBatch, register_backend
+from strata.errors import StrataError
+from strata.kvcache.cache import PagedKVCache
+
+TILE_TOKENS = 16  # query tokens per tile: triton_kernel.BLOCK_M (checked when it is built)
+
+
+@dataclass(frozen=True)
+class TritonMeta:
+    slot_mapping: torch.Tensor  # [T] int64: flat KV-cache row each token writes
+    positions: torch.Tensor     # [T] int32: position of each token in its entry's sequence
+    block_tables: torch.Tensor  # [B, W] int32: each entry's blocks, in position order
+    tile_entry: torch.Tensor    # [ceil(T / 16) + B] int32: entry of each query tile
+    tile_start: torch.Tensor    # [ceil(T / 16) + B] int32: window index of its first token
+    tile_count: torch.Tensor    # [ceil(T / 16) + B] int32: its tokens (0: an unused tile)
+    block_size: int             # tokens per KV block (the engine's --block-size)
+
+
+def query_tiles(query_lens: list[int], num_tiles: int) -> torch.Tensor:
+    """[3, num_tiles]: (entry, first token, token count) of each run of at most TILE_TOKENS
+    consecutive tokens of one entry, in window order; unused tiles are (0, 0, 0)."""
+    lens = torch.tensor(query_lens, dtype=torch.long)                      # [B]
+    per_entry = (lens + TILE_TOKENS - 1) // TILE_TOKENS                    # [B] tiles
+    entry = torch.repeat_interleave(torch.arange(len(lens)), per_entry)   # [used]
+    index = torch.arange(len(entry)) - (torch.cumsum(per_entry, 0) - per_entry)[entry]
+    first = (torch.cumsum(lens, 0) - lens)[entry] + index * TILE_TOKENS
+    count = torch.clamp(lens[entry] - index * TILE_TOKENS, max=TILE_TOKENS)
+    tiles = torch.zeros(3, num_tiles, dtype=torch.int32)
+    tiles[:, :len(entry)] = torch.stack((entry, first, count))
+    return tiles
+
+
+class TritonBackend:
+    name = "triton"
+    capturable = True  # static metadata shapes, no host sync: CUDA graphs may capture it
+
+    def __init__(self, kernel: Callable[..., torch.Tensor]):
+        self.kernel = kernel  # triton_kernel.paged_attention
+
+    def prepare(self, batch: AttentionBatch, device: torch.device) -> TritonMeta:
+        check_device(torch.device(device).type)
+        tokens, entries = len(batch.positions), len(batch.query_lens)
+        # NOTE: the tile count is a bound by shape (T, B), not the count this window uses.
+        tiles = query_tiles(batch.query_lens, -(-tokens // TILE_TOKENS) + entries)
+        move = dict(device=device, non_blocking=True)
+        tiles = tiles.to(**move)
+        return TritonMeta(slot_mapping=batch.slot_mapping.to(dtype=torch.long, **move),
+                          positions=batch.positions.to(dtype=torch.int32, **move),
+                          block_tables=batch.block_tables.to(dtype=torch.int32, **move),
+                          tile_entry=tiles[0], tile_start=tiles[1], tile_count=tiles[2],
+                          block_size=batch.block_size)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cache: PagedKVCache, meta: TritonMeta,
+                scale: float | None = None) -> torch.Tensor:
+        cache.key.index_copy_(0, meta.slot_mapping, k.to(cache.key.dtype))
+        cache.value.index_copy_(0, meta.slot_mapping, v.to(cache.value.dtype))
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return self.kernel(q if q.stride(-1) == 1 else q.contiguous(), cache.key, cache.value,
+                           meta.positions, meta.block_tables, meta.tile_entry,
+                           meta.tile_start, meta.tile_count, meta.block_size, scale)
+
+
+def check_device(device_type: str) -> None:
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise StrataError("the triton backend runs on CUDA devices; use "
+                          "--attention-backend reference on the CPU")
+
+
+def make_triton_backend() -> TritonBackend:
+    """Import the kernel (and triton) only when the backend is chosen. A machine without
+    CUDA is refused here, when the stage is built; a CPU stage on a CUDA machine when its
+    first window is prepared."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise StrataError("--attention-backend triton needs the triton package: "
+                          "pip install 'strata[gpu]'") from None
+    if not torch.cuda.is_available():
+        check_device("cpu")
+    from strata.attention import triton_kernel
+
+    assert triton_kernel.BLOCK_M == TILE_TOKENS, "the tile map and the kernel disagree"
+    return TritonBackend(triton_kernel.paged_attention)
+
+
+register_backend(TritonBackend.name, make_triton_backend)
