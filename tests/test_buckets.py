@@ -83,12 +83,15 @@ def padded_everywhere(engine: Engine, sizes: list[int]) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("split,spec", [((), 0), ((), 8), ((2,), 8)])
-def test_padded_windows_give_the_same_tokens_and_logits(tiny_models, split, spec):
+@pytest.mark.parametrize("split,spec,backend", [((), 0, "reference"), ((), 8, "reference"),
+                                               ((2,), 8, "reference"), ((2,), 8, "triton")])
+def test_padded_windows_give_the_same_tokens_and_logits(tiny_models, split, spec, backend):
+    """With `triton` (its kernel interpreted on the CPU) each window's metadata is copied
+    into its bucket's static buffers, as before a graph replay."""
     folder = str(tiny_models["llama"][0])
     config = dict(model=folder, parallel=4, layer_split=split, max_window_tokens=32)
-    plain = Engine(EngineConfig(**config, spec=0))
-    padded = Engine(EngineConfig(**config, spec=spec))
+    plain = Engine(EngineConfig(**config, spec=0, attention_backend="reference"))
+    padded = Engine(EngineConfig(**config, spec=spec, attention_backend=backend))
     # Coarse buckets, so that most windows are padded; prompt windows of 25..32 run eagerly.
     counts = padded_everywhere(padded, [2, 5, 11, 24])
     ids = prompts(1, 320, seed=3, low=20, high=21)[0]
