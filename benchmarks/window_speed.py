@@ -72,7 +72,8 @@ def main() -> int:
             raw.append({"slots": slots, "window": window, "ms": ms, "host_ms": host})
     model = args.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)"
     settings = (f"devices={','.join(config.devices)} dtype={config.torch_dtype()} "
-                f"attention={config.attention_backend} cuda-graphs={config.cuda_graphs}")
+                f"attention={config.attention_backend} cuda-graphs={config.cuda_graphs} "
+                f"compile={config.compile}")
     print(f"machine: {machine()}\ncommit: {commit()}\nmodel: {model}\nsettings: {settings}\n")
     print(markdown_table(["slots", "tokens per slot", "window tokens", "ms per window (median)",
                           "host ms per window", "host ms per slot",

@@ -57,6 +57,10 @@ class EngineConfig:
         "capture each CUDA stage's forward as graphs per window size and replay them: auto "
         "(where the attention backend and layers allow), on (fail where they do not), off",
         choices=("auto", "on", "off")))
+    compile: str = field(default="on", metadata=_opt(
+        "on: CUDA stages run RMSNorm, rotary embedding and the SiLU gate as torch.compile'd "
+        "fused kernels (compiled once at start-up, in seconds); off: plain PyTorch",
+        choices=("on", "off")))
     cuda_graph_max_tokens: int = field(default=256, metadata=_opt(
         "largest window (tokens) replayed from a CUDA graph; larger ones run eagerly"))
     dtype: str = field(default="auto", metadata=_opt(
@@ -102,6 +106,8 @@ class EngineConfig:
                               f"available: {', '.join(backend_names())}")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise StrataError(f"--cuda-graphs {self.cuda_graphs} is not one of auto, on, off")
+        if self.compile not in ("on", "off"):
+            raise StrataError(f"--compile {self.compile} is not one of on, off")
         for name in ("parallel", "max_window_tokens", "block_size", "cuda_graph_max_tokens"):
             if getattr(self, name) < 1:
                 raise StrataError(f"--{name.replace('_', '-')} must be at least 1 "

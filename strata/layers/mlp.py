@@ -1,9 +1,9 @@
 """The gated (SwiGLU) feed-forward block of llama-family models."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from strata.layers.fused import silu_mul
 from strata.layers.linear import LinearFactory
 
 
@@ -15,4 +15,4 @@ class GatedMLP(nn.Module):
         self.down_proj = linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))

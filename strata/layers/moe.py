@@ -92,6 +92,7 @@ class SharedExpertMoE(nn.Module):
 
 
 class GroupedExperts(nn.Module):
+    capturable = False  # NOTE: per-expert counts are read on the host or sized by data
     """Expert weights stacked per projection: gate/up [E, I, hidden], down [E, hidden, I]."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int):

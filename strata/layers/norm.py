@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from strata.layers.fused import rms_norm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -11,7 +13,4 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)

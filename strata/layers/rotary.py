@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from strata.errors import StrataError
+from strata.layers.fused import rotate, rotate_half
 
 
 def rope_kind(scaling: dict[str, Any] | None) -> str:
@@ -121,6 +122,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q: [T, H, D], k: [T, Hkv, D], positions: [T] -> rotated q, k. The first
         head_dim dims of each head rotate; any dims after them pass through."""
+        if q.shape[-1] == self.head_dim and not self.interleaved:  # the common case, fused
+            return rotate(q, k, self.cos, self.sin, positions)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
@@ -134,9 +137,4 @@ class RotaryEmbedding(nn.Module):
             # result stays in that order, as in transformers: q and k are permuted alike,
             # so q·k is unchanged.
             x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-        return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotate_half(x) * sin

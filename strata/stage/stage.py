@@ -20,6 +20,7 @@ from strata.errors import StrataError
 from strata.kvcache.cache import Cache, PagedKVCache, SlotStateCache, allocate
 from strata.kvcache.spec import CacheSize
 from strata.layers.forward_meta import ForwardMeta
+from strata.layers.fused import enable_compile
 from strata.layers.linear import LinearFactory, WeightFormat
 from strata.layers.mtp import MTPHead
 from strata.layers.norm import RMSNorm
@@ -72,7 +73,8 @@ class StageModule(nn.Module):
 class Stage:
     def __init__(self, index: int, arch: Architecture, layers: tuple[int, int], num_stages: int,
                  device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
-                 cache_size: CacheSize, mtp: bool = False, attention_backend: str = "auto"):
+                 cache_size: CacheSize, mtp: bool = False, attention_backend: str = "auto",
+                 compile_layers: bool = False):
         self.index, self.layers, self.device, self.dtype = index, layers, device, dtype
         self.arch, self.cache_size = arch, cache_size
         self.graphs: StageGraphs | None = None  # set by capture_graphs()
@@ -81,6 +83,8 @@ class Stage:
             self.module = StageModule(arch, *layers, first=index == 0, last=last,
                                       mtp=mtp and last)
         self.module.rotary.reset(device)
+        if device.type == "cuda" and compile_layers:
+            enable_compile()
         self.backend = get_backend(attention_backend, device)
 
         def cache(layer: int) -> Cache:
@@ -145,6 +149,8 @@ def graphs_unavailable(stage: Stage) -> str | None:
                 "every window; use --attention-backend triton")
     if any(isinstance(c, SlotStateCache) for c in stage.caches):
         return "layers with per-slot state are not captured yet"
+    if not all(getattr(m, "capturable", True) for m in stage.module.modules()):
+        return "this model's MoE layers read expert counts on the host (no fused MoE yet)"
     return None
 
 
@@ -157,4 +163,5 @@ def build_stage(config, model_config, index: int, cache_size: CacheSize,
     arch = get_architecture(model_config, LinearFactory(WeightFormat(dtype)))
     return Stage(index, arch, ranges[index], len(ranges), config.stage_device(index), dtype,
                  config.kv_dtype(), cache_size, mtp=mtp,
-                 attention_backend=config.attention_backend)
+                 attention_backend=config.attention_backend,
+                 compile_layers=config.compile == "on")
