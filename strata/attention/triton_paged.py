@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -47,16 +47,18 @@ class TritonMeta:
 
 def query_tiles(query_lens: list[int], num_tiles: int) -> torch.Tensor:
     """[3, num_tiles]: (entry, first token, token count) of each run of at most TILE_TOKENS
-    consecutive tokens of one entry, in window order; unused tiles are (0, 0, 0)."""
-    lens = torch.tensor(query_lens, dtype=torch.long)                      # [B]
-    per_entry = (lens + TILE_TOKENS - 1) // TILE_TOKENS                    # [B] tiles
-    entry = torch.repeat_interleave(torch.arange(len(lens)), per_entry)   # [used]
-    index = torch.arange(len(entry)) - (torch.cumsum(per_entry, 0) - per_entry)[entry]
-    first = (torch.cumsum(lens, 0) - lens)[entry] + index * TILE_TOKENS
-    count = torch.clamp(lens[entry] - index * TILE_TOKENS, max=TILE_TOKENS)
-    tiles = torch.zeros(3, num_tiles, dtype=torch.int32)
-    tiles[:, :len(entry)] = torch.stack((entry, first, count))
-    return tiles
+    consecutive tokens of one entry, in window order; unused tiles are (0, 0, 0). Plain
+    Python over a few entries: cheaper on the host than tensor ops."""
+    tiles: list[list[int]] = [[], [], []]
+    start = 0
+    for entry, length in enumerate(query_lens):
+        for offset in range(0, length, TILE_TOKENS):
+            tiles[0].append(entry)
+            tiles[1].append(start + offset)
+            tiles[2].append(min(TILE_TOKENS, length - offset))
+        start += length
+    unused = num_tiles - len(tiles[0])
+    return torch.tensor([row + [0] * unused for row in tiles], dtype=torch.int32)
 
 
 class TritonBackend:
@@ -68,14 +70,21 @@ class TritonBackend:
 
     def prepare(self, batch: AttentionBatch, device: torch.device) -> TritonMeta:
         check_device(torch.device(device).type)
+        host = self.prepare_host(batch)
+        move = dict(device=device, non_blocking=True)
+        return TritonMeta(**{f.name: getattr(host, f.name).to(**move)
+                             if isinstance(getattr(host, f.name), torch.Tensor)
+                             else getattr(host, f.name) for f in fields(host)})
+
+    def prepare_host(self, batch: AttentionBatch) -> TritonMeta:
+        """The metadata on the host: what a CUDA graph's static buffers are filled from
+        (one copy each, no device-to-device step)."""
         tokens, entries = len(batch.positions), len(batch.query_lens)
         # NOTE: the tile count is a bound by shape (T, B), not the count this window uses.
         tiles = query_tiles(batch.query_lens, -(-tokens // TILE_TOKENS) + entries)
-        move = dict(device=device, non_blocking=True)
-        tiles = tiles.to(**move)
-        return TritonMeta(slot_mapping=batch.slot_mapping.to(dtype=torch.long, **move),
-                          positions=batch.positions.to(dtype=torch.int32, **move),
-                          block_tables=batch.block_tables.to(dtype=torch.int32, **move),
+        return TritonMeta(slot_mapping=batch.slot_mapping.to(dtype=torch.long),
+                          positions=batch.positions.to(dtype=torch.int32),
+                          block_tables=batch.block_tables.to(dtype=torch.int32),
                           tile_entry=tiles[0], tile_start=tiles[1], tile_count=tiles[2],
                           block_size=batch.block_size)
 

@@ -6,7 +6,8 @@ prepared while the previous one still runs never disturbs it), and the graph rep
 launch for the whole stage instead of several per layer. The outputs are copied out of
 the graph's buffers at once, so a later replay cannot overwrite a window not yet read.
 Windows larger than the largest bucket run eagerly. Capturing needs an attention backend
-whose metadata has static shapes (`capturable = True`) and layers without host reads.
+whose metadata has static shapes (`capturable = True`, with `prepare_host(batch)`: the
+metadata on the host) and layers without host reads.
 """
 
 from __future__ import annotations
@@ -110,13 +111,14 @@ class StageGraphs:
         if tokens is None or len(header.query_lens) >= self.shape.num_entries:
             return None
         padded = pad_window(header, tokens, self.shape)
-        meta = self._meta(padded)
-        if self.static_meta:
+        meta = None
+        if self.static_meta:  # host tensors copied straight into the graph's buffers
             static = self.captured[tokens].meta
-            for name in ("positions", "logits_idx"):
-                getattr(static, name).copy_(getattr(meta, name), non_blocking=True)
-            copy_meta(static.attention, meta.attention)
-            meta = None
+            static.positions.copy_(padded.batch.positions, non_blocking=True)
+            static.logits_idx.copy_(padded.logits_idx, non_blocking=True)
+            copy_meta(static.attention, self.stage.backend.prepare_host(padded.batch))
+        else:
+            meta = self._meta(padded)
         return GraphCall(tokens, padded.num_tokens, padded.num_logits, padded.token_ids, meta)
 
     def replay(self, x: torch.Tensor, call: GraphCall):
