@@ -101,3 +101,21 @@ def test_padded_windows_give_the_same_tokens_and_logits(tiny_models, split, spec
     assert counts["padded"] > 10 and counts["eager"] > 0
     if spec:
         assert padded.draft_stats.accepted > 0
+
+
+def test_graph_and_backend_settings_say_what_they_need(tiny_models):
+    from strata.attention.backend import resolve_backend
+    from strata.errors import StrataError
+
+    folder = str(tiny_models["llama"][0])
+    with pytest.raises(StrataError, match="--cuda-graphs on: CUDA graphs need a CUDA device"):
+        Engine(EngineConfig(model=folder, cuda_graphs="on"))
+    with pytest.raises(StrataError, match="--cuda-graphs sometimes is not one of auto, on, off"):
+        EngineConfig(cuda_graphs="sometimes")
+    with pytest.raises(StrataError, match="--compile maybe is not one of on, off"):
+        EngineConfig(compile="maybe")
+    engine = Engine(EngineConfig(model=folder))  # auto: the reference backend, no graphs
+    assert [s.backend.name for s in engine.runner.stages] == ["reference"]
+    assert engine.runner.stages[0].graphs is None
+    assert resolve_backend("auto", torch.device("cpu")) == "reference"
+    assert resolve_backend("triton", torch.device("cpu")) == "triton"
