@@ -20,6 +20,8 @@ from strata.attention.backend import AttentionBackend, AttentionBatch
 class ForwardMeta:
     positions: torch.Tensor         # [T] position of each token in its slot's sequence
     logits_idx: torch.Tensor        # [S] rows of the window whose logits are wanted
+    query_lens: tuple[int, ...]     # tokens of each entry, contiguous in the window (layers
+                                    # with per-slot state; not refreshed by graph replays)
     backend: AttentionBackend       # serves every attention layer of the stage...
     attention: Any                  # ...with this metadata, built once for the window
     state_rows: torch.Tensor | None = None  # [B, rows per slot] each entry's state rows
@@ -29,7 +31,7 @@ class ForwardMeta:
               logits_idx: torch.Tensor, state_rows: torch.Tensor | None = None) -> ForwardMeta:
         move = dict(device=device, non_blocking=True)
         return cls(positions=batch.positions.to(**move), logits_idx=logits_idx.to(**move),
-                   backend=backend,
+                   query_lens=tuple(batch.query_lens), backend=backend,
                    attention=backend.prepare(batch, device),
                    state_rows=None if state_rows is None else state_rows.to(**move))
 
