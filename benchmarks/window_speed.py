@@ -38,14 +38,18 @@ def measure(config, slots: int, window: int, steps: int) -> tuple[float, float]:
     while any(r.num_output_tokens < 8 for r in requests):  # prefill and warm-up
         engine.step()
     times = []
-    wait = engine.runner.device_wait_seconds
+
+    def waited() -> float:  # only the in-process runner waits for a GPU in collect()
+        return getattr(engine.runner, "device_wait_seconds", 0.0)
+
+    wait = waited()
     start = time.perf_counter()
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
     total = time.perf_counter() - start
-    host = total - (getattr(engine.runner, "device_wait_seconds", 0.0) - wait)
+    host = total - (waited() - wait)
     engine.close()
     return statistics.median(times) * 1e3, host / steps * 1e3
 
