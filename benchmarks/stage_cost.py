@@ -38,7 +38,7 @@ def stage_inputs(engine: Engine, width: int, context: int) -> list:
     slot.num_computed = context  # NOTE: the prefix KV is whatever the cache holds: speed only
     slot.draft = Draft(tokens[context + 1:], [1.0] * (width - 1)) if width > 1 else None
     window = scheduler._build(0, [(slot, width)])
-    scheduler.in_flight.discard(0)
+    scheduler.in_flight.pop(0, None)
     inputs, x = [], window.header.token_ids
     for stage in engine.runner.stages:
         inputs.append((x, window.header))

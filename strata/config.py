@@ -61,6 +61,11 @@ class EngineConfig:
         "on: CUDA stages run RMSNorm, rotary embedding and the SiLU gate as torch.compile'd "
         "fused kernels (compiled once at start-up, in seconds); off: plain PyTorch",
         choices=("on", "off")))
+    schedule_ahead: str = field(default="on", metadata=_opt(
+        "on: while a window of slots decoding without drafts computes, the next one is built "
+        "and launched, its input tokens taken from the last window on the device (the host "
+        "never holds up the GPU); applies with --spec 0 in one process. off: one at a time",
+        choices=("on", "off")))
     cuda_graph_max_tokens: int = field(default=256, metadata=_opt(
         "largest window (tokens) replayed from a CUDA graph; larger ones run eagerly"))
     dtype: str = field(default="auto", metadata=_opt(
@@ -106,8 +111,10 @@ class EngineConfig:
                               f"available: {', '.join(backend_names())}")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise StrataError(f"--cuda-graphs {self.cuda_graphs} is not one of auto, on, off")
-        if self.compile not in ("on", "off"):
-            raise StrataError(f"--compile {self.compile} is not one of on, off")
+        for name in ("compile", "schedule_ahead"):
+            if getattr(self, name) not in ("on", "off"):
+                raise StrataError(f"--{name.replace('_', '-')} {getattr(self, name)} is not "
+                                  "one of on, off")
         for name in ("parallel", "max_window_tokens", "block_size", "cuda_graph_max_tokens"):
             if getattr(self, name) < 1:
                 raise StrataError(f"--{name.replace('_', '-')} must be at least 1 "

@@ -42,14 +42,14 @@ def test_a_failing_sampling_entry_fails_its_request_only(folder, monkeypatch):
     expected = reference(folder)
     engine = Engine(EngineConfig(model=folder, parallel=4))  # drafts on: windows share entries
     verifier = engine.runner.last.verifier
-    original = verifier.verify
+    original = verifier.decide
 
-    def verify(logits, entries):
+    def decide(logits, entries):
         if any(e.params.seed == BAD_SEED for e in entries):
             raise ValueError("a value this sampler cannot use")
         return original(logits, entries)
 
-    monkeypatch.setattr(verifier, "verify", verify)
+    monkeypatch.setattr(verifier, "decide", decide)
     requests = run(engine, [greedy(), greedy(BAD_SEED), greedy()])
     bad = requests[1]
     assert bad.finish_reason == "error" and "sampling" in bad.error and "ValueError" in bad.error
@@ -95,7 +95,7 @@ def test_a_failure_alone_in_its_window_is_reported(folder, monkeypatch):
 
 def test_generate_reports_a_failed_request_as_one_line(gguf_path, monkeypatch):
     llm = LLM(EngineConfig(model=str(gguf_path), spec=0))
-    monkeypatch.setattr(llm.engine.runner.last.verifier, "verify", lambda *a: 1 / 0)
+    monkeypatch.setattr(llm.engine.runner.last.verifier, "decide", lambda *a: 1 / 0)
     with pytest.raises(StrataError, match="sampling this request's next token failed"):
         list(llm.stream(llm.encode_prompt("Hi"), greedy()))
 

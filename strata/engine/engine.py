@@ -1,7 +1,7 @@
 """Engine: the loop that turns requests into tokens.
 
 `step()` sends a window for every idle group with work (the scheduler picks them), then
-collects the oldest window's result and commits it. The runner is either the stages in
+collects the oldest window's result and commits it; `launch()` is its first half alone. The runner is either the stages in
 this process (ModelRunner) or one process per stage (PipelineRunner); both return results
 in submission order. Tokens in, tokens out: text, chat templates and stop strings belong to
 the caller (strata/llm.py, the server).
@@ -63,7 +63,9 @@ class Engine:
                                    config.block_size, policy,
                                    mtp_drafts=config.spec if use_mtp else 0,
                                    num_groups=config.num_groups(),
-                                   state_rows_per_slot=rows_per_slot)
+                                   state_rows_per_slot=rows_per_slot,
+                                   ahead=(config.schedule_ahead == "on"
+                                          and not config.stage_processes))
         self.draft_stats = (self.scheduler.drafts.stats if self.scheduler.drafts is not None
                             else DraftStats())  # every request's drafts together
         if config.stage_processes:
@@ -104,12 +106,23 @@ class Engine:
         return self.scheduler.has_work
 
     @torch.inference_mode()
-    def step(self) -> list[Request]:
-        """Send a window for each idle group with work, then commit the oldest window in
-        flight; return the requests that received tokens."""
+    def launch(self) -> None:
+        """Send a window for each idle group with work: what step() starts with. A caller
+        with work of its own per step (the server streaming tokens out) calls it right
+        after step(), so that work overlaps the windows' compute."""
         start = time.perf_counter()
         while (window := self.scheduler.schedule()) is not None:
             self.runner.submit(window)
+        while (window := self.scheduler.schedule_ahead()) is not None:
+            self.runner.submit(window)
+        self.scheduler_seconds += time.perf_counter() - start
+
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Send a window for each idle group with work, then commit the oldest window in
+        flight; return the requests that received tokens."""
+        self.launch()
+        start = time.perf_counter()
         if self.runner.num_in_flight == 0:
             return self.scheduler.take_failed()
         collect = time.perf_counter()

@@ -145,6 +145,9 @@ class PipelineRunner:
         if self.closed:
             raise StageFailure(f"the stage processes have stopped ({self.failure or 'closed'})")
         header = window.header
+        if header.carry:
+            raise RuntimeError("stage processes cannot carry tokens between windows; the "
+                               "scheduler builds no window ahead for them")
         if not self.in_flight:
             self.last_progress = time.monotonic()
         message = pack((WINDOW, header))

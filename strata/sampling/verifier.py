@@ -16,8 +16,9 @@ token after the entry's j-th token.
   noise of the draw for the token at position t of a seeded request depends only on (seed,
   t), so a seeded request gives the same text with or without drafts.
 
-The Verifier does not count, commit or touch the KV cache: the scheduler does. Its one
-host read is the final `.tolist()`.
+The Verifier does not count, commit or touch the KV cache: the scheduler does. `decide`
+launches its work on the logits' device and returns there; its caller makes the one host
+read, so a GPU window's verification is queued behind its layers before anything waits.
 """
 
 from __future__ import annotations
@@ -44,49 +45,55 @@ class Verifier:
     def verify(self, logits: torch.Tensor, entries: list[VerifyEntry]) -> list[list[int]]:
         """logits: [sum(k_i + 1), V], rows of entry i contiguous and in entry order.
         Returns per entry the accepted drafts followed by one more token (length a_i + 1)."""
+        return emitted(entries, self.decide(logits, entries).tolist())  # NOTE: the host read
+
+    def decide(self, logits: torch.Tensor, entries: list[VerifyEntry]) -> torch.Tensor:
+        """`verify` without its host read: [2, N] on the logits' device, per entry the
+        number of accepted drafts and the token after them (`emitted` turns it into ids)."""
         num_rows = sum(len(e.draft) + 1 for e in entries)
         if logits.dim() != 2 or logits.shape[0] != num_rows:
             raise ValueError(f"verify: logits {tuple(logits.shape)} do not match the entries' "
                              f"{num_rows} rows (k + 1 per entry)")
         if not entries:
-            return []
+            return torch.zeros(2, 0, dtype=torch.long, device=logits.device)
         logits = biased_logits(logits, _row_params(entries))
-        layout = _Layout(entries, logits.device)
         sampled = [i for i, e in enumerate(entries) if not e.params.greedy]
+        if not sampled and num_rows == len(entries):  # greedy, no drafts: the argmax alone
+            token = logits.argmax(dim=-1)
+            return torch.stack([torch.zeros_like(token), token])
+        layout = _Layout(entries, logits.device)
         if len(sampled) == len(entries):
-            accepted, token = self._sample_and_match(logits, entries, layout)
-        else:
-            top = logits.argmax(dim=-1)                                  # [R]
-            match = (top[layout.rows] == layout.drafts) & layout.valid   # [N, K]
-            accepted = match.long().cumprod(dim=1).sum(dim=1)            # [N]
-            token = top[layout.starts + accepted]                        # [N]
-            if sampled:  # a mixed batch: the sampled entries' rows, verified apart
-                sub = [entries[i] for i in sampled]
-                rows = [layout.start_list[i] + j for i in sampled
-                        for j in range(len(entries[i].draft) + 1)]
-                index = torch.tensor(sampled).to(logits.device, non_blocking=True)
-                sub_logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
-                sub_accepted, sub_token = self._sample_and_match(sub_logits, sub,
-                                                                 _Layout(sub, logits.device))
-                accepted = accepted.index_copy(0, index, sub_accepted)
-                token = token.index_copy(0, index, sub_token)
-        counts, tokens = torch.stack([accepted, token]).tolist()  # NOTE: the one host read
-        return [e.draft[:a] + [t] for e, a, t in zip(entries, counts, tokens)]
+            return torch.stack(self._sample_and_match(logits, entries, layout))
+        top = logits.argmax(dim=-1)                                      # [R]
+        match = (top[layout.rows] == layout.drafts) & layout.valid       # [N, K]
+        accepted = match.long().cumprod(dim=1).sum(dim=1)                # [N]
+        token = top[layout.starts + accepted]                            # [N]
+        if sampled:  # a mixed batch: the sampled entries' rows, verified apart
+            sub = [entries[i] for i in sampled]
+            rows = [layout.start_list[i] + j for i in sampled
+                    for j in range(len(entries[i].draft) + 1)]
+            index = torch.tensor(sampled).to(logits.device, non_blocking=True)
+            sub_logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
+            sub_accepted, sub_token = self._sample_and_match(sub_logits, sub,
+                                                             _Layout(sub, logits.device))
+            accepted = accepted.index_copy(0, index, sub_accepted)
+            token = token.index_copy(0, index, sub_token)
+        return torch.stack([accepted, token])
 
     def simulate(self, logits: torch.Tensor, entries: list[VerifyEntry],
-                 probability: float) -> list[list[int]]:
-        """`--simulate-acceptance`: each draft is accepted with `probability` regardless of
-        the model (a leading run of successes); the next token is the model's own draw at
-        the row after the accepted ones."""
+                 probability: float) -> torch.Tensor:
+        """`--simulate-acceptance`, as `decide` does it ([2, N], no host read): each draft
+        is accepted with `probability` regardless of the model (a leading run of
+        successes); the next token is the model's own draw at the row after the accepted
+        ones."""
         if not entries:
-            return []
+            return torch.zeros(2, 0, dtype=torch.long, device=logits.device)
         logits = biased_logits(logits, _row_params(entries))
         layout = _Layout(entries, logits.device)
         draws = self._draws(logits, entries)
         success = torch.rand(len(entries), layout.K, device=logits.device) < probability
         accepted = (success & layout.valid).long().cumprod(dim=1).sum(dim=1)
-        counts, tokens = torch.stack([accepted, draws[layout.starts + accepted]]).tolist()
-        return [e.draft[:a] + [t] for e, a, t in zip(entries, counts, tokens)]
+        return torch.stack([accepted, draws[layout.starts + accepted]])
 
     @classmethod
     def _sample_and_match(cls, logits: torch.Tensor, entries: list[VerifyEntry],
@@ -111,6 +118,12 @@ class Verifier:
                         e.params.seed, e.position + j, probs.device))
                 row += 1
         return (probs / noise.clamp_min(_TINY)).argmax(dim=-1)      # [R]
+
+
+def emitted(entries: list[VerifyEntry], decided: list[list[int]]) -> list[list[int]]:
+    """Per entry its accepted drafts and one more token, from `decide`'s rows read back."""
+    counts, tokens = decided
+    return [e.draft[:a] + [t] for e, a, t in zip(entries, counts, tokens)]
 
 
 def _row_params(entries: list[VerifyEntry]) -> list[SamplingParams]:

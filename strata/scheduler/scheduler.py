@@ -11,6 +11,11 @@ tokens: committing moves `num_computed` past the accepted ones only, so the next
 starts at the first rejected position and overwrites it. A finished request frees its
 slot, its blocks and its state rows at once.
 
+A group decoding without drafts can have a second window in flight (`ahead`): built while
+its first computes, each entry one token whose id the device carries over from the first
+window's verification (WindowHeader.carry). If the first window ends a request (EOS, a stop
+id), the second window's entry for it is dropped at commit, like an aborted one's.
+
 Allocation covers every kind of layer cache (kvcache/spec.py): KV blocks as a slot's
 sequence grows, and `state_rows_per_slot` rows of per-slot state from admission to finish.
 """
@@ -38,9 +43,11 @@ log = logging.getLogger("strata.scheduler")
 class Scheduler:
     def __init__(self, num_slots: int, max_context: int, max_window_tokens: int,
                  block_size: int, drafts: DraftPolicy | None = None, mtp_drafts: int = 0,
-                 num_groups: int = 1, state_rows_per_slot: int = 0):
+                 num_groups: int = 1, state_rows_per_slot: int = 0, ahead: bool = False):
         """`mtp_drafts`: the longest chain the model's MTP layer drafts on the last stage
-        (0: none); `state_rows_per_slot`: rows of per-slot state the model's layers keep."""
+        (0: none); `state_rows_per_slot`: rows of per-slot state the model's layers keep;
+        `ahead`: build a decoding group's next window while its last computes (the runner
+        carries the tokens over on its device; only without drafts)."""
         if not 1 <= num_groups <= num_slots:
             raise ValueError(f"{num_groups} groups for {num_slots} slots")
         blocks_per_slot = -(-max_context // block_size)
@@ -58,7 +65,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.num_groups = num_groups
         self.groups = [self.slots[g::num_groups] for g in range(num_groups)]
-        self.in_flight: set[int] = set()  # groups whose window has not been committed yet
+        self.in_flight: dict[int, int] = {}  # group -> its windows not committed yet
+        self.ahead = ahead and self.drafts is None and not mtp_drafts
+        self._latest: dict[int, Window] = {}  # each group's last window scheduled
         self._next_group = 0  # round robin over idle groups
         self.failed: list[Request] = []  # failed while drafting; the next commit reports them
 
@@ -100,9 +109,50 @@ class Scheduler:
             window = self._schedule_group(group)
             if window is not None:
                 self._next_group = (group + 1) % self.num_groups
-                self.in_flight.add(group)
+                self._launched(window)
                 return window
         return None
+
+    def schedule_ahead(self) -> Window | None:
+        """A decoding group's next window, built while its window in flight computes: each
+        of its slots one token on, that token carried over on the device. None where no
+        group has exactly one window in flight that every slot of it will decode on from."""
+        if not self.ahead:
+            return None
+        for group, count in self.in_flight.items():
+            if count == 1 and (window := self._schedule_ahead(group)) is not None:
+                self._launched(window)
+                return window
+        return None
+
+    def _launched(self, window: Window) -> None:
+        group = window.header.group
+        self.in_flight[group] = self.in_flight.get(group, 0) + 1
+        self._latest[group] = window
+
+    def _schedule_ahead(self, group: int) -> Window | None:
+        last = self._latest[group]
+        header = last.header
+        if header.logits_all or not all(header.samples) or any(header.num_drafts):
+            return None  # prompt chunks or drafts in flight: the next window depends on them
+        slots = [self.slots[i] for i in header.slots]
+        busy = [s for s in self.groups[group] if not s.free]
+        if len(busy) != len(slots) or (self.waiting and len(busy) < len(self.groups[group])):
+            return None  # a slot with work outside the window, or a request to admit
+        for slot, request, count in zip(slots, last.requests, header.query_lens):
+            if slot.request is not request or slot.num_computed + count != request.num_tokens:
+                return None
+            if not self._continues(request):
+                return None
+        return self._build(group, [(slot, 1) for slot in slots], ahead=header.query_lens)
+
+    def _continues(self, request: Request) -> bool:
+        """Can the request take two more tokens (the window in flight's, and one more)?"""
+        params = request.params
+        if (params.max_tokens is not None
+                and params.max_tokens - request.num_output_tokens < 2):
+            return False
+        return request.num_tokens + 2 <= self.max_context
 
     def _schedule_group(self, group: int) -> Window | None:
         self._admit(self.groups[group])
@@ -148,24 +198,30 @@ class Scheduler:
                     with self._isolated(slot):
                         self.drafts.admitted(request)
 
-    def _build(self, group: int, entries: list[tuple[Slot, int]]) -> Window:
+    def _build(self, group: int, entries: list[tuple[Slot, int]],
+               ahead: list[int] | None = None) -> Window:
+        """`ahead`: a window built ahead: per entry the tokens the group's window in flight
+        computes; each entry is then the one token that window samples."""
         tokens, positions, rows, tables, sample_rows = [], [], [], [], []
         samples, verify, following, mtp_rows, mtp_lens = [], [], [], [], []
+        starts = []
         offset = 0  # window row of the entry's first token
-        for slot, count in entries:
-            request, start = slot.request, slot.num_computed
+        for e, (slot, count) in enumerate(entries):
+            request, start = slot.request, slot.num_computed + (ahead[e] if ahead else 0)
+            num_tokens = request.num_tokens + (1 if ahead else 0)
+            starts.append(start)
             # Positions the MTP layer may reach: the window's, then its chain of drafts.
             mtp_end = min(self.max_context, start + count + self.mtp_drafts + 1) \
                 if self.mtp_drafts else start + count
             slot.block_table.ensure(mtp_end)
             end = start + count - slot.num_drafted  # end of the run's known tokens
-            tokens.extend(request.token_ids[start:end])
+            tokens.extend(request.token_ids[start:end] if not ahead else [0] * (end - start))
             if slot.draft is not None:
                 tokens.extend(slot.draft.tokens)
             positions.append(torch.arange(start, start + count))
             rows.append(slot.block_table.rows(start, start + count))
             tables.append(slot.block_table.blocks)
-            sample = end == request.num_tokens
+            sample = end == num_tokens
             samples.append(sample)
             following.append(None if sample else request.token_ids[end])
             if sample:  # the verifier reads the last known token's row and each draft's
@@ -173,7 +229,7 @@ class Scheduler:
                                                 offset + count))
                 verify.append(VerifyEntry(request.params, request.request_id,
                                           slot.draft.tokens if slot.draft else [],
-                                          position=request.num_tokens))
+                                          position=num_tokens))
             if self.mtp_drafts:  # MTP positions p + 1: the committed ones, then its chain
                 mtp_rows.append(slot.block_table.rows(start + 1, mtp_end))
                 mtp_lens.append(mtp_end - start - 1)
@@ -181,7 +237,7 @@ class Scheduler:
         header = WindowHeader(
             group=group,
             slots=[slot.index for slot, _ in entries],
-            starts=[slot.num_computed for slot, _ in entries],
+            starts=starts,
             query_lens=[count for _, count in entries],
             samples=samples,
             num_drafts=[slot.num_drafted for slot, _ in entries],
@@ -198,6 +254,7 @@ class Scheduler:
                         if self.state_rows_per_slot else None),
             mtp_rows=_padded(mtp_rows) if self.mtp_drafts else None,
             mtp_lens=mtp_lens if self.mtp_drafts else None,
+            carry=ahead is not None,
         )
         return Window(header, requests=[slot.request for slot, _ in entries],
                       drafts=[slot.draft for slot, _ in entries])
@@ -211,7 +268,10 @@ class Scheduler:
         made for each sampling entry (MTP) to the proposers. An entry that failed on the
         last stage fails its request. Returns the requests that received tokens or failed,
         with those that failed since the last commit."""
-        self.in_flight.discard(window.header.group)
+        group = window.header.group
+        self.in_flight[group] -= 1
+        if not self.in_flight[group]:
+            del self.in_flight[group]
         produced = iter(results)
         staged = iter(stage_drafts or [])
         failed = iter(errors or [])

@@ -47,6 +47,9 @@ class WindowHeader:
     mtp_rows: torch.Tensor | None = None    # [B, W] MTP-cache row of position start + 1 + j
     mtp_lens: list[int] | None = None       # per entry: how many of its mtp_rows exist
     logits_all: bool = False       # logits for every token (scoring), not only sampling entries
+    carry: bool = False            # token_ids are placeholders: entry e's token is the one the
+                                   # group's previous window decided for its entry e (on the
+                                   # device; the scheduler built this window ahead)
 
     @property
     def num_tokens(self) -> int:

@@ -281,6 +281,7 @@ class AsyncEngine:
                 start = time.perf_counter()
                 try:
                     updated = engine.step()
+                    engine.launch()  # the next windows compute while these tokens go out
                 except Exception as e:  # noqa: BLE001 - a dead engine fails requests, not hangs
                     if not isinstance(e, StrataError):
                         log.exception("engine failed")

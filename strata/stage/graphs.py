@@ -127,6 +127,8 @@ class StageGraphs:
         entry = self.captured[call.tokens]
         if self.stage.module.first:
             self.input[:call.tokens].copy_(call.token_ids, non_blocking=True)
+            if x.device == self.input.device:  # ids carried over on the device (header.carry)
+                self.input[:call.num_tokens].copy_(x)
         else:
             self.input[:call.num_tokens].copy_(x, non_blocking=True)
         if entry.graph is not None:

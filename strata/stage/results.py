@@ -20,7 +20,7 @@ import torch
 from strata.config import EngineConfig
 from strata.drafting.draft import Draft
 from strata.sampling.logprobs import TokenLogprob, token_logprobs
-from strata.sampling.verifier import Verifier, VerifyEntry
+from strata.sampling.verifier import Verifier, VerifyEntry, emitted
 from strata.scheduler.window import WindowHeader
 from strata.stage.mtp_drafter import MTPDrafter
 from strata.stage.stage import Stage
@@ -38,6 +38,19 @@ class WindowResult:
     logprobs: list[list[TokenLogprob] | None] | None = None  # per sampling entry, if asked
 
 
+@dataclass
+class LaunchedWindow:
+    """A window whose verification is queued on the device behind its layers; `finish`
+    reads it back."""
+    header: WindowHeader
+    logits: torch.Tensor              # the rows header.logits_idx() asked for
+    rows: torch.Tensor                # the sampling entries' rows of them
+    hidden: torch.Tensor
+    decided: torch.Tensor             # the Verifier's [2, N] on the device
+    apart: tuple | None = None        # (tokens, logprobs, errors) when deciding the window
+                                      # raised and its entries were decided one by one
+
+
 class WindowVerifier:
     """The last stage's Verifier and MTP drafter."""
 
@@ -47,37 +60,47 @@ class WindowVerifier:
         self.mtp = (MTPDrafter(last.module.mtp, last.mtp_cache, last.backend, config.spec,
                                config.spec_min_p) if last.mtp_cache is not None else None)
 
-    def finish(self, header: WindowHeader, logits: torch.Tensor,
-               hidden: torch.Tensor) -> WindowResult:
-        """logits: the rows header.logits_idx() asks for; hidden: final-norm [T, hidden]."""
-        full = None
-        if header.logits_all:
-            full = logits.float().cpu()
-            logits = logits[header.sample_rows.to(logits.device)]
-        entries = header.verify
+    def launch(self, header: WindowHeader, logits: torch.Tensor,
+               hidden: torch.Tensor) -> LaunchedWindow:
+        """Queue the window's verification (no host read). logits: the rows
+        header.logits_idx() asks for; hidden: final-norm [T, hidden]."""
+        rows = logits[header.sample_rows.to(logits.device)] if header.logits_all else logits
         try:
-            tokens, logprobs = self._decide(logits, entries)
-            errors = None
+            return LaunchedWindow(header, logits, rows, hidden,
+                                  self._decide(rows, header.verify))
         except Exception:  # noqa: BLE001 - find the entries that fail; the others go on
-            tokens, logprobs, errors = self._decide_apart(logits, entries)
+            apart = self._decide_apart(rows, header.verify)  # NOTE: host reads, rare
+            decided = torch.tensor([[len(t) - 1 for t in apart[0]], [t[-1] for t in apart[0]]],
+                                   dtype=torch.long).to(logits.device)
+            return LaunchedWindow(header, logits, rows, hidden, decided, apart)
+
+    def finish(self, launched: LaunchedWindow) -> WindowResult:
+        """Read the verification back (the window's host read, which waits for the
+        device), then draft with MTP."""
+        header, entries = launched.header, launched.header.verify
+        full = launched.logits.float().cpu() if header.logits_all else None
+        if launched.apart is not None:
+            tokens, logprobs, errors = launched.apart
+        else:
+            tokens = emitted(entries, launched.decided.tolist())
+            try:
+                logprobs, errors = token_logprobs(launched.rows, entries, tokens), None
+            except Exception:  # noqa: BLE001 - find the entries that fail; the others go on
+                tokens, logprobs, errors = self._decide_apart(launched.rows, entries)
         drafts = None
         if self.mtp is not None:
             try:
-                drafts = self.mtp.draft(header, tokens, hidden)
+                drafts = self.mtp.draft(header, tokens, launched.hidden)
             except Exception:  # noqa: BLE001 - drafts are optional; this window has none
                 log.exception("MTP drafting failed for a window; it goes on without drafts")
         return WindowResult(tokens, drafts, full, errors=errors,
                             logprobs=logprobs if any(logprobs) else None)
 
-    def _decide(self, logits: torch.Tensor, entries: list[VerifyEntry]):
-        """Each entry's tokens, and their logprobs where asked."""
-        if not entries:
-            return [], []
+    def _decide(self, logits: torch.Tensor, entries: list[VerifyEntry]) -> torch.Tensor:
+        """The Verifier's [2, N] on the device (or the simulated acceptance's)."""
         if self.simulate_acceptance is not None:
-            tokens = self.verifier.simulate(logits, entries, self.simulate_acceptance)
-        else:
-            tokens = self.verifier.verify(logits, entries)  # NOTE: host sync
-        return tokens, token_logprobs(logits, entries, tokens)
+            return self.verifier.simulate(logits, entries, self.simulate_acceptance)
+        return self.verifier.decide(logits, entries)
 
     def _decide_apart(self, logits: torch.Tensor, entries: list[VerifyEntry]):
         """`_decide` entry by entry; a failing entry gets an error and a placeholder token
@@ -88,7 +111,8 @@ class WindowVerifier:
             rows = logits[start:start + len(entry.draft) + 1]
             start += len(entry.draft) + 1
             try:
-                [entry_tokens], [entry_logprobs] = self._decide(rows, [entry])
+                [entry_tokens] = emitted([entry], self._decide(rows, [entry]).tolist())
+                [entry_logprobs] = token_logprobs(rows, [entry], [entry_tokens])
                 error = None
             except Exception as e:  # noqa: BLE001 - this entry's request fails, alone
                 log.exception("sampling failed for %s", entry.request_id)

@@ -91,26 +91,37 @@ class ModelRunner:
         return len(self._queue)
 
     def submit(self, window: Window) -> None:
-        """Launch the window through every stage. On a GPU this returns once the work is
-        queued, so the engine schedules the next group's window while the GPU computes."""
+        """Launch the window through every stage and its verification. On a GPU this
+        returns once the work is queued, so the engine schedules the next group's window
+        while the GPU computes."""
         header = window.header
         seconds = []
-        x = header.token_ids
+        x = self._carried(header.group) if header.carry else header.token_ids
         for stage in self.stages:
             start = time.perf_counter()
             x = stage.forward(x, stage.prepare(header))
             # NOTE: no sync is added for this: on CUDA it is the stage's launch time
             seconds.append(time.perf_counter() - start)
-        self._queue.append((window, x, seconds))
+        logits, hidden = x
+        self._queue.append((window, self.last.launch(header, logits, hidden), seconds))
+
+    def _carried(self, group: int) -> torch.Tensor:
+        """The tokens the group's last window launched decided, entry by entry, on the
+        device: the input of a window the scheduler built ahead of it."""
+        for window, launched, _ in reversed(self._queue):
+            if window.header.group == group:
+                return launched.decided[1]
+        raise RuntimeError(f"a window of group {group} carries tokens over but none of that "
+                           "group's windows is in flight")
 
     def collect(self) -> tuple[Window, WindowResult]:
-        """Verify the oldest window launched (its one host read waits for the GPU)."""
-        window, (logits, hidden), seconds = self._queue.popleft()
-        if logits.is_cuda:  # the wait the verifier's host read would make, timed apart
+        """Read back the oldest window launched (its one host read waits for the GPU)."""
+        window, launched, seconds = self._queue.popleft()
+        if launched.logits.is_cuda:  # the wait the verifier's host read would make, timed apart
             start = time.perf_counter()
-            torch.cuda.current_stream(logits.device).synchronize()
+            torch.cuda.current_stream(launched.logits.device).synchronize()
             self.device_wait_seconds += time.perf_counter() - start
-        result = self.last.finish(window.header, logits, hidden)
+        result = self.last.finish(launched)
         result.stage_seconds = seconds
         return window, result
 

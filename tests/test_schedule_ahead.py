@@ -1,0 +1,109 @@
+"""Windows built ahead (`--schedule-ahead`): while a decoding group's window computes, its
+next window is built and launched with its input tokens carried over on the device. The
+scheduler's counts stay exact, and the tokens are the same as one window at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conftest import prompts
+from strata.config import EngineConfig
+from strata.engine.engine import Engine
+from strata.request import Request
+from strata.sampling.params import SamplingParams
+from strata.scheduler.scheduler import Scheduler
+
+
+def make(n: int, max_tokens: int = 5, eos: frozenset[int] = frozenset()) -> Request:
+    return Request(list(range(1, n + 1)), SamplingParams(temperature=0, max_tokens=max_tokens),
+                   eos)
+
+
+def test_a_window_ahead_is_one_token_on_with_its_tokens_carried():
+    sched = Scheduler(num_slots=2, max_context=32, max_window_tokens=16, block_size=4,
+                      ahead=True)
+    a, b = make(3), make(5)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    ahead = sched.schedule_ahead()
+    assert not first.header.carry and ahead.header.carry
+    assert ahead.header.starts == [3, 5] and ahead.header.positions.tolist() == [3, 5]
+    assert ahead.header.query_lens == [1, 1] and ahead.header.samples == [True, True]
+    assert [e.position for e in ahead.header.verify] == [4, 6]
+    assert sched.in_flight == {0: 2} and sched.schedule_ahead() is None
+    sched.commit(first, [[7], [8]])
+    sched.commit(ahead, [[9], [10]])
+    assert a.output_ids == [7, 9] and b.output_ids == [8, 10]
+    assert [s.num_computed for s in sched.slots] == [4, 6] and not sched.in_flight
+    again = sched.schedule()
+    assert again.header.positions.tolist() == [4, 6]
+    assert again.header.token_ids.tolist() == [9, 10]
+
+
+@pytest.mark.parametrize("case", ["off", "prompt chunk", "last token", "request waiting"])
+def test_no_window_ahead_where_the_next_one_is_not_known(case):
+    sched = Scheduler(num_slots=2, max_context=32,
+                      max_window_tokens=4 if case == "prompt chunk" else 16, block_size=4,
+                      ahead=case != "off")
+    sched.add(make(6, max_tokens=1 if case == "last token" else 5))
+    first = sched.schedule()
+    if case == "request waiting":  # a free slot in the group: the next window admits it
+        sched.add(make(3))
+    assert first is not None and sched.schedule_ahead() is None
+
+
+def test_the_entry_ahead_of_a_finished_request_is_dropped():
+    sched = Scheduler(num_slots=2, max_context=32, max_window_tokens=16, block_size=4,
+                      ahead=True)
+    a, b = make(3, eos=frozenset({7})), make(3)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    ahead = sched.schedule_ahead()
+    sched.commit(first, [[7], [8]])  # a ends with its EOS; its entry ahead is void
+    assert a.finished and sched.slots[0].free
+    sched.commit(ahead, [[9], [10]])
+    assert a.output_ids == [7] and b.output_ids == [8, 10]
+    sched.abort(b.request_id)
+    assert sched.pool.num_free == sched.pool.num_blocks
+
+
+def run(engine: Engine, batch: list[list[int]], params: list[SamplingParams],
+        eos: frozenset[int]) -> tuple[list[list[int]], int]:
+    """Output ids, and how many windows carried their tokens over."""
+    carried = 0
+    submit = engine.runner.submit
+
+    def counting(window):
+        nonlocal carried
+        carried += window.header.carry
+        submit(window)
+
+    engine.runner.submit = counting
+    requests = [engine.add_request(p, s, eos_token_ids=eos) for p, s in zip(batch, params)]
+    while engine.has_work:
+        engine.step()
+    return [r.output_ids for r in requests], carried
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_tokens_are_the_same_with_windows_ahead(tiny_models, groups):
+    """Greedy and seeded sampling, requests that end early on an EOS, at max_tokens, and
+    requests waiting for a slot: every token as with one window at a time."""
+    folder, model = tiny_models["llama"]
+    batch = prompts(6, model.config.vocab_size, seed=4, low=2, high=40)
+    params = [SamplingParams(temperature=0, max_tokens=20 + 3 * i) if i % 2 else
+              SamplingParams(temperature=0.9, seed=i, max_tokens=30) for i in range(6)]
+    config = EngineConfig(model=str(folder), parallel=4, batch_groups=groups,
+                          max_window_tokens=24, max_context=128, spec=0)
+    plain, _ = run(Engine(dataclasses.replace(config, schedule_ahead="off")), batch, params,
+                   frozenset())
+    eos = frozenset({plain[1][len(plain[1]) // 2]})  # one request (at least) ends early
+    plain, none = run(Engine(dataclasses.replace(config, schedule_ahead="off")), batch, params,
+                      eos)
+    ahead, carried = run(Engine(config), batch, params, eos)
+    assert ahead == plain and none == 0 and carried > 20
+    assert any(len(out) < p.max_tokens for out, p in zip(plain, params))
