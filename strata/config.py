@@ -61,11 +61,12 @@ class EngineConfig:
         "on: CUDA stages run RMSNorm, rotary embedding and the SiLU gate as torch.compile'd "
         "fused kernels (compiled once at start-up, in seconds); off: plain PyTorch",
         choices=("on", "off")))
-    schedule_ahead: str = field(default="on", metadata=_opt(
-        "on: while a window of slots decoding without drafts computes, the next one is built "
-        "and launched, its input tokens taken from the last window on the device (the host "
-        "never holds up the GPU); applies with --spec 0 in one process. off: one at a time",
-        choices=("on", "off")))
+    schedule_ahead: str = field(default="auto", metadata=_opt(
+        "while a window whose slots carry no drafts computes, build and launch its group's "
+        "next one, its input tokens taken from the last window on the device, so the host "
+        "never holds up the GPU: auto (on CUDA, in one process), on (also on the CPU, where "
+        "it gains nothing: tests), off (one window per group at a time). Not with MTP "
+        "drafts or stage processes", choices=("auto", "on", "off")))
     cuda_graph_max_tokens: int = field(default=256, metadata=_opt(
         "largest window (tokens) replayed from a CUDA graph; larger ones run eagerly"))
     dtype: str = field(default="auto", metadata=_opt(
@@ -96,6 +97,11 @@ class EngineConfig:
     spec_token_cost: float = field(default=0.05, metadata=_opt(
         "cost of one more token in a window, as a fraction of a one-token window; a draft "
         "token is sent only while its expected acceptance exceeds it"))
+    spec_window_cost: float = field(default=0.4, metadata=_opt(
+        "with windows built ahead (--schedule-ahead): what carrying drafts at all costs a "
+        "window, as a fraction of a one-token window (its group's next window cannot be "
+        "built ahead, so the host's time shows; 0.4 on an H200 with the default model). A "
+        "slot drafts only when its draft's expected gain exceeds it"))
     simulate_acceptance: float | None = field(default=None, metadata=_opt(
         "speed studies only: every slot drafts --spec tokens every window and accepts each "
         "with this probability (the text is meaningless; everything is labelled simulated)"))
@@ -111,10 +117,11 @@ class EngineConfig:
                               f"available: {', '.join(backend_names())}")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise StrataError(f"--cuda-graphs {self.cuda_graphs} is not one of auto, on, off")
-        for name in ("compile", "schedule_ahead"):
-            if getattr(self, name) not in ("on", "off"):
-                raise StrataError(f"--{name.replace('_', '-')} {getattr(self, name)} is not "
-                                  "one of on, off")
+        if self.compile not in ("on", "off"):
+            raise StrataError(f"--compile {self.compile} is not one of on, off")
+        if self.schedule_ahead not in ("auto", "on", "off"):
+            raise StrataError(f"--schedule-ahead {self.schedule_ahead} is not one of auto, "
+                              "on, off")
         for name in ("parallel", "max_window_tokens", "block_size", "cuda_graph_max_tokens"):
             if getattr(self, name) < 1:
                 raise StrataError(f"--{name.replace('_', '-')} must be at least 1 "
@@ -126,6 +133,8 @@ class EngineConfig:
                               ": need 1 <= min <= max")
         if not 0 <= self.spec_min_p <= 1 or not 0 <= self.spec_token_cost < 1:
             raise StrataError("--spec-min-p must be in [0, 1] and --spec-token-cost in [0, 1)")
+        if self.spec_window_cost < 0:
+            raise StrataError(f"--spec-window-cost must be >= 0 (got {self.spec_window_cost})")
         if self.simulate_acceptance is not None:
             if not 0 <= self.simulate_acceptance <= 1:
                 raise StrataError(f"--simulate-acceptance {self.simulate_acceptance} must be "

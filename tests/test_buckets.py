@@ -91,7 +91,8 @@ def test_padded_windows_give_the_same_tokens_and_logits(tiny_models, split, spec
     folder = str(tiny_models["llama"][0])
     config = dict(model=folder, parallel=4, layer_split=split, max_window_tokens=32)
     plain = Engine(EngineConfig(**config, spec=0, attention_backend="reference"))
-    padded = Engine(EngineConfig(**config, spec=spec, attention_backend=backend))
+    padded = Engine(EngineConfig(**config, spec=spec, attention_backend=backend,
+                                 schedule_ahead="on"))
     # Coarse buckets, so that most windows are padded; prompt windows of 25..32 run eagerly.
     counts = padded_everywhere(padded, [2, 5, 11, 24])
     ids = prompts(1, 320, seed=3, low=20, high=21)[0]

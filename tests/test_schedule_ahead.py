@@ -98,7 +98,7 @@ def test_tokens_are_the_same_with_windows_ahead(tiny_models, groups):
     params = [SamplingParams(temperature=0, max_tokens=20 + 3 * i) if i % 2 else
               SamplingParams(temperature=0.9, seed=i, max_tokens=30) for i in range(6)]
     config = EngineConfig(model=str(folder), parallel=4, batch_groups=groups,
-                          max_window_tokens=24, max_context=128, spec=0)
+                          max_window_tokens=24, max_context=128, spec=0, schedule_ahead="on")
     plain, _ = run(Engine(dataclasses.replace(config, schedule_ahead="off")), batch, params,
                    frozenset())
     eos = frozenset({plain[1][len(plain[1]) // 2]})  # one request (at least) ends early
@@ -107,3 +107,38 @@ def test_tokens_are_the_same_with_windows_ahead(tiny_models, groups):
     ahead, carried = run(Engine(config), batch, params, eos)
     assert ahead == plain and none == 0 and carried > 20
     assert any(len(out) < p.max_tokens for out, p in zip(plain, params))
+
+
+def test_drafts_and_windows_ahead_take_turns(tiny_models):
+    """Suffix drafts on repetitive prompts: slots draft where a draft is worth a window's
+    overlap, go ahead where not, and every greedy token is as without drafts."""
+    folder, model = tiny_models["llama"]
+    base = prompts(4, model.config.vocab_size, seed=11, low=6, high=14)
+    batch = [p * 3 + p[:3] for p in base[:2]] + base[2:]  # two repeat, two do not
+    greedy = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 4
+    config = EngineConfig(model=str(folder), parallel=4, max_context=160,
+                          spec_type=("suffix",), spec_suffix_global=0, schedule_ahead="on")
+    plain, _ = run(Engine(dataclasses.replace(config, spec=0, schedule_ahead="off")), batch,
+                   greedy, frozenset())
+    engine = Engine(config)
+    drafted, carried = run(engine, batch, greedy, frozenset())
+    assert drafted == plain
+    assert carried > 0 and engine.draft_stats.drafted > 0
+
+
+def test_a_draft_must_be_worth_the_window():
+    """The policy's window cost: a draft whose net gain does not exceed it is not sent."""
+    from strata.drafting.draft import Draft
+    from strata.drafting.policy import DraftPolicy
+
+    class Fixed:
+        name, on_last_stage = "fixed", False
+
+        def propose(self, request_id, room):
+            return Draft([1, 2, 3], [0.5, 0.25, 0.1], "fixed")
+
+    policy = DraftPolicy([Fixed()], token_cost=0.05)
+    request = make(3)
+    assert policy.draft(request, 8).tokens == [1, 2, 3]  # gain 0.45 + 0.2 + 0.05
+    assert policy.draft(request, 8, window_cost=0.6).tokens == [1, 2, 3]
+    assert policy.draft(request, 8, window_cost=0.75) is None

@@ -5,7 +5,10 @@ tokens are all right). Scaled by the request's running acceptance r for that pro
 token j is worth r * c_j expected accepted tokens and costs `--spec-token-cost` (one
 more token in the window, as a fraction of a one-token window). The draft is cut where
 the next token is worth less than it costs, and the proposer with the larger net gain
-wins. The policy also forwards each request's lifecycle to every proposer.
+wins. A caller may also price the window itself (`window_cost`: what a window loses by
+carrying drafts at all, when windows without them are built ahead): a draft whose net gain
+does not exceed it is not sent. The policy also forwards each request's lifecycle to every
+proposer.
 """
 
 from __future__ import annotations
@@ -56,12 +59,12 @@ class DraftPolicy:
             del self._acceptance[key]
 
     # -- drafting -------------------------------------------------------------------------
-    def draft(self, request: Request, room: int) -> Draft | None:
+    def draft(self, request: Request, room: int, window_cost: float = 0.0) -> Draft | None:
         """The best draft for the request's next window, at most `room` tokens (each
-        proposer also keeps to its own limit)."""
+        proposer also keeps to its own limit), if its net gain exceeds `window_cost`."""
         if room <= 0:
             return None
-        best, best_gain = None, 0.0
+        best, best_gain = None, window_cost
         for p in self.proposers:
             draft = p.propose(request.request_id, room)
             if not draft or not draft.tokens:
@@ -107,7 +110,7 @@ class SimulatedPolicy(DraftPolicy):
     def enabled(self) -> bool:
         return self.max_tokens > 0
 
-    def draft(self, request: Request, room: int) -> Draft | None:
+    def draft(self, request: Request, room: int, window_cost: float = 0.0) -> Draft | None:
         length = min(room, self.max_tokens)
         if length <= 0:
             return None

@@ -42,6 +42,14 @@ def check_prompt(prompt_ids: list[int], max_context: int, vocab: int) -> None:
         raise StrataError(f"prompt token ids must be in 0..{vocab - 1}")
 
 
+def schedules_ahead(config: EngineConfig) -> bool:
+    """--schedule-ahead: on, or auto with the first stage on CUDA; never with stage
+    processes (the tokens carried over live on the last stage's device)."""
+    if config.stage_processes or config.schedule_ahead == "off":
+        return False
+    return config.schedule_ahead == "on" or config.stage_device(0).type == "cuda"
+
+
 class Engine:
     def __init__(self, config: EngineConfig, checkpoint=None):
         self.config = config
@@ -64,8 +72,8 @@ class Engine:
                                    mtp_drafts=config.spec if use_mtp else 0,
                                    num_groups=config.num_groups(),
                                    state_rows_per_slot=rows_per_slot,
-                                   ahead=(config.schedule_ahead == "on"
-                                          and not config.stage_processes))
+                                   ahead=schedules_ahead(config),
+                                   window_cost=config.spec_window_cost)
         self.draft_stats = (self.scheduler.drafts.stats if self.scheduler.drafts is not None
                             else DraftStats())  # every request's drafts together
         if config.stage_processes:

@@ -14,7 +14,10 @@ slot, its blocks and its state rows at once.
 A group decoding without drafts can have a second window in flight (`ahead`): built while
 its first computes, each entry one token whose id the device carries over from the first
 window's verification (WindowHeader.carry). If the first window ends a request (EOS, a stop
-id), the second window's entry for it is dropped at commit, like an aborted one's.
+id), the second window's entry for it is dropped at commit, like an aborted one's. With
+drafting on, a slot drafts only where the draft is worth more than `window_cost` (what a
+window loses when the next cannot be built ahead), and a group goes ahead only while no
+slot's proposers, asked on the context it has, would draft.
 
 Allocation covers every kind of layer cache (kvcache/spec.py): KV blocks as a slot's
 sequence grows, and `state_rows_per_slot` rows of per-slot state from admission to finish.
@@ -43,11 +46,13 @@ log = logging.getLogger("strata.scheduler")
 class Scheduler:
     def __init__(self, num_slots: int, max_context: int, max_window_tokens: int,
                  block_size: int, drafts: DraftPolicy | None = None, mtp_drafts: int = 0,
-                 num_groups: int = 1, state_rows_per_slot: int = 0, ahead: bool = False):
+                 num_groups: int = 1, state_rows_per_slot: int = 0, ahead: bool = False,
+                 window_cost: float = 0.0):
         """`mtp_drafts`: the longest chain the model's MTP layer drafts on the last stage
         (0: none); `state_rows_per_slot`: rows of per-slot state the model's layers keep;
         `ahead`: build a decoding group's next window while its last computes (the runner
-        carries the tokens over on its device; only without drafts)."""
+        carries the tokens over on its device; not with MTP drafts); `window_cost`: the
+        least net gain of a draft worth sending when windows go ahead."""
         if not 1 <= num_groups <= num_slots:
             raise ValueError(f"{num_groups} groups for {num_slots} slots")
         blocks_per_slot = -(-max_context // block_size)
@@ -66,7 +71,8 @@ class Scheduler:
         self.num_groups = num_groups
         self.groups = [self.slots[g::num_groups] for g in range(num_groups)]
         self.in_flight: dict[int, int] = {}  # group -> its windows not committed yet
-        self.ahead = ahead and self.drafts is None and not mtp_drafts
+        self.ahead = ahead and not mtp_drafts
+        self.window_cost = window_cost if self.ahead else 0.0
         self._latest: dict[int, Window] = {}  # each group's last window scheduled
         self._next_group = 0  # round robin over idle groups
         self.failed: list[Request] = []  # failed while drafting; the next commit reports them
@@ -142,9 +148,19 @@ class Scheduler:
         for slot, request, count in zip(slots, last.requests, header.query_lens):
             if slot.request is not request or slot.num_computed + count != request.num_tokens:
                 return None
-            if not self._continues(request):
+            if not self._continues(request) or self._would_draft(slot):
                 return None
         return self._build(group, [(slot, 1) for slot in slots], ahead=header.query_lens)
+
+    def _would_draft(self, slot: Slot) -> bool:
+        """Would the slot's proposers draft, on the context the slot has now (one token
+        short of the next window's)? Then its next window waits to carry the drafts."""
+        if self.drafts is None:
+            return False
+        with self._isolated(slot):
+            return self.drafts.draft(slot.request, self._room(slot, self.max_window_tokens),
+                                     self.window_cost) is not None
+        return True  # its proposer failed: the slot is free, the group changed
 
     def _continues(self, request: Request) -> bool:
         """Can the request take two more tokens (the window in flight's, and one more)?"""
@@ -167,7 +183,8 @@ class Scheduler:
             slot.draft = None
             if slot.num_pending == 1 and self.drafts is not None:
                 with self._isolated(slot):
-                    slot.draft = self.drafts.draft(slot.request, self._room(slot, budget - 1))
+                    slot.draft = self.drafts.draft(slot.request, self._room(slot, budget - 1),
+                                                   self.window_cost)
                 if slot.free:  # its proposer failed: the request failed with it
                     continue
                 count += len(slot.draft.tokens) if slot.draft else 0

@@ -49,6 +49,28 @@ class LaunchedWindow:
     decided: torch.Tensor             # the Verifier's [2, N] on the device
     apart: tuple | None = None        # (tokens, logprobs, errors) when deciding the window
                                       # raised and its entries were decided one by one
+    host: torch.Tensor | None = None  # `decided` copied to pinned host memory (CUDA)...
+    done: torch.cuda.Event | None = None  # ...ready once this event has passed
+
+    def __post_init__(self) -> None:
+        """On CUDA, queue the copy of `decided` to the host right behind the window, so
+        that reading it waits for this window only, not for windows launched after it."""
+        if self.decided.is_cuda:
+            with torch.cuda.device(self.decided.device):
+                self.host = torch.empty(self.decided.shape, dtype=self.decided.dtype,
+                                        pin_memory=True)
+                self.host.copy_(self.decided, non_blocking=True)
+                self.done = torch.cuda.Event()
+                self.done.record()
+
+    def wait(self) -> None:
+        """Block until the window's verification has reached the host."""
+        if self.done is not None:
+            self.done.synchronize()
+
+    def decisions(self) -> list[list[int]]:
+        self.wait()
+        return (self.host if self.host is not None else self.decided).tolist()
 
 
 class WindowVerifier:
@@ -82,7 +104,7 @@ class WindowVerifier:
         if launched.apart is not None:
             tokens, logprobs, errors = launched.apart
         else:
-            tokens = emitted(entries, launched.decided.tolist())
+            tokens = emitted(entries, launched.decisions())
             try:
                 logprobs, errors = token_logprobs(launched.rows, entries, tokens), None
             except Exception:  # noqa: BLE001 - find the entries that fail; the others go on

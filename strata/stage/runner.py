@@ -117,10 +117,9 @@ class ModelRunner:
     def collect(self) -> tuple[Window, WindowResult]:
         """Read back the oldest window launched (its one host read waits for the GPU)."""
         window, launched, seconds = self._queue.popleft()
-        if launched.logits.is_cuda:  # the wait the verifier's host read would make, timed apart
-            start = time.perf_counter()
-            torch.cuda.current_stream(launched.logits.device).synchronize()
-            self.device_wait_seconds += time.perf_counter() - start
+        start = time.perf_counter()
+        launched.wait()  # for this window only: windows launched after it go on computing
+        self.device_wait_seconds += time.perf_counter() - start
         result = self.last.finish(launched)
         result.stage_seconds = seconds
         return window, result
