@@ -55,6 +55,10 @@ def test_factory_makes_projections_in_the_stage_format():
     assert spec_of(bf16(8, 4).weight).dtype == torch.bfloat16
     assert spec_of(bf16(8, 4, dtype=torch.float32).weight).dtype == torch.float32
     assert spec_of(LinearFactory()(8, 4).weight).dtype is None  # the stage's dtype
+    stacked = bf16.stacked(8, {"gate_proj": 4, "up_proj": 4})
+    assert stacked.weight.shape == (8, 8) and stacked.bias is None
+    assert spec_of(stacked.weight).dtype == torch.bfloat16
+    assert spec_of(stacked.weight).parts == (("gate_proj", 4), ("up_proj", 4))
 
 
 @pytest.mark.parametrize("stage_dtype", [torch.bfloat16, torch.float32])
@@ -120,3 +124,15 @@ def _llama_config():
     return ModelConfig(architecture="llama", vocab_size=16, hidden_size=8,
                        intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=2,
                        head_dim=4)
+
+
+def test_rows_of_mixed_types_stack_as_values():
+    q8, q4 = (quantized(torch.randn(rows, 32, generator=GEN), kind)
+              for rows, kind in ((4, "Q8_0"), (2, "Q4_0")))
+    stacked = StoredTensor.cat_rows([q8, q4])
+    assert stacked.shape == (6, 32)
+    assert torch.equal(stacked.dense(torch.float32),
+                       torch.cat([q8.dense(torch.float32), q4.dense(torch.float32)]))
+    same = StoredTensor.cat_rows([q8, q8])
+    assert same.type == "Q8_0" and same.shape == (8, 32)
+    assert torch.equal(same.dense(torch.float32), q8.dense(torch.float32).repeat(2, 1))
