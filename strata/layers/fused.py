@@ -61,5 +61,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 @_fast
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU of the first half of the last dim times the second half: [T, 2I] -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
