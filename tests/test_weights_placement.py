@@ -1,7 +1,9 @@
 """Weights kept as their specs say: the LinearFactory makes projections in the stage's
 weight format (a router may pin float32), the loader materialises each parameter of a
 meta-device module on its device in its dtype, checks shapes against the config, and
-GGUF tensors stay raw blocks with their type until a parameter asks for values."""
+GGUF tensors stay raw blocks with their type until a parameter asks for values. Stacked
+projections (`qkv_proj`, `gate_up_proj`) are their checkpoint parts' rows one after the
+other, each part read as before (GGUF row order included); a missing part is named."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import TINY, build_tiny
 from torch import nn
 
 from strata.config import EngineConfig
@@ -16,8 +19,12 @@ from strata.engine.engine import Engine
 from strata.errors import StrataError
 from strata.layers.linear import Linear, LinearFactory, WeightFormat, spec_of
 from strata.layers.norm import RMSNorm
+from strata.layers.rotary import RotaryEmbedding
+from strata.models.llama import unpermuted_rotary_rows
 from strata.models.registry import get_architecture
-from strata.weights.loader import load_module
+from strata.weights.checkpoint import open_checkpoint
+from strata.weights.hf_checkpoint import HFCheckpoint
+from strata.weights.loader import load_module, read_checked
 from strata.weights.tensor import StoredTensor
 
 GEN = torch.Generator().manual_seed(0)
@@ -55,6 +62,10 @@ def test_factory_makes_projections_in_the_stage_format():
     assert spec_of(bf16(8, 4).weight).dtype == torch.bfloat16
     assert spec_of(bf16(8, 4, dtype=torch.float32).weight).dtype == torch.float32
     assert spec_of(LinearFactory()(8, 4).weight).dtype is None  # the stage's dtype
+    stacked = bf16.stacked(8, {"gate_proj": 4, "up_proj": 4})
+    assert stacked.weight.shape == (8, 8) and stacked.bias is None
+    assert spec_of(stacked.weight).dtype == torch.bfloat16
+    assert spec_of(stacked.weight).parts == (("gate_proj", 4), ("up_proj", 4))
 
 
 @pytest.mark.parametrize("stage_dtype", [torch.bfloat16, torch.float32])
@@ -111,8 +122,8 @@ def test_engine_weights_follow_dtype(tiny_models):
         module = engine.runner.stages[0].module
         assert {p.dtype for p in module.parameters()} == {dtype}
         assert not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
-        assert all(isinstance(m.q_proj, Linear) for m in module.modules()
-                   if hasattr(m, "q_proj"))
+        assert all(isinstance(m.qkv_proj, Linear) for m in module.modules()
+                   if hasattr(m, "qkv_proj"))
 
 
 def _llama_config():
@@ -120,3 +131,103 @@ def _llama_config():
     return ModelConfig(architecture="llama", vocab_size=16, hidden_size=8,
                        intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=2,
                        head_dim=4)
+
+
+def _load_layer(checkpoint, layer: int) -> nn.Module:
+    """Decoder layer `layer` of `checkpoint`, loaded in float32 on the CPU."""
+    c = checkpoint.config
+    arch = get_architecture(c)
+    with torch.device("meta"):
+        module = arch.make_layer(layer, RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta))
+    load_module(module, checkpoint, arch, device=torch.device("cpu"), dtype=torch.float32,
+                checkpoint_name=lambda name: f"model.layers.{layer}.{name}")
+    return module
+
+
+def test_stacked_projections_are_their_parts_rows(tmp_path):
+    model = build_tiny("llama", tmp_path, attention_bias=True)
+    ours = _load_layer(HFCheckpoint(tmp_path), 1)
+    ref = model.model.layers[1]
+    attn, mlp = ref.self_attn, ref.mlp
+    assert torch.equal(ours.self_attn.qkv_proj.weight, torch.cat(
+        [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(ours.self_attn.qkv_proj.bias, torch.cat(
+        [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
+    assert torch.equal(ours.mlp.gate_up_proj.weight,
+                       torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    assert not hasattr(ours.self_attn, "q_proj") and not hasattr(ours.mlp, "up_proj")
+
+
+def test_stacked_projections_of_the_default_gguf_keep_blocks_and_row_order(gguf_path):
+    checkpoint = open_checkpoint(gguf_path)
+    c = checkpoint.config
+    ours = _load_layer(checkpoint, 2)
+
+    def stored(name: str, order: torch.Tensor | None = None) -> torch.Tensor:
+        values = checkpoint.read(f"model.layers.2.{name}.weight").dense(torch.float32)
+        return values if order is None else values[order]
+
+    # llama.cpp's converter permuted q and k rows; v, gate and up are as the model has them.
+    assert torch.equal(ours.self_attn.qkv_proj.weight, torch.cat([
+        stored("self_attn.q_proj", unpermuted_rotary_rows(c.num_heads, c.head_dim)),
+        stored("self_attn.k_proj", unpermuted_rotary_rows(c.num_kv_heads, c.head_dim)),
+        stored("self_attn.v_proj")]))
+    assert torch.equal(ours.mlp.gate_up_proj.weight,
+                       torch.cat([stored("mlp.gate_proj"), stored("mlp.up_proj")]))
+    param = ours.mlp.gate_up_proj.weight
+    raw = read_checked(get_architecture(c), checkpoint, "model.layers.2.mlp.gate_up_proj.weight",
+                       param.shape, spec_of(param))
+    assert raw.type == "Q4_1" and not raw.is_torch  # blocks concatenated, not dequantized
+
+
+def test_rows_of_mixed_types_stack_as_values():
+    q8, q4 = (quantized(torch.randn(rows, 32, generator=GEN), kind)
+              for rows, kind in ((4, "Q8_0"), (2, "Q4_0")))
+    stacked = StoredTensor.cat_rows([q8, q4])
+    assert stacked.shape == (6, 32)
+    assert torch.equal(stacked.dense(torch.float32),
+                       torch.cat([q8.dense(torch.float32), q4.dense(torch.float32)]))
+    same = StoredTensor.cat_rows([q8, q8])
+    assert same.type == "Q8_0" and same.shape == (8, 32)
+    assert torch.equal(same.dense(torch.float32), q8.dense(torch.float32).repeat(2, 1))
+
+
+def _changed(folder, out, change: dict) -> HFCheckpoint:
+    """A copy of the checkpoint in `folder` (one safetensors file) in `out`, with the
+    tensors in `change` replaced, or removed where None."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = {**load_file(folder / "model.safetensors"), **change}
+    out.mkdir()
+    shutil.copy(folder / "config.json", out / "config.json")
+    save_file({name: t for name, t in tensors.items() if t is not None},
+              str(out / "model.safetensors"))
+    return HFCheckpoint(out)
+
+
+def test_a_missing_or_misshapen_part_is_named(tiny_models, tmp_path):
+    folder, _ = tiny_models["llama"]
+    missing = _changed(folder, tmp_path / "a", {"model.layers.0.self_attn.v_proj.weight": None})
+    with pytest.raises(StrataError, match=r"has no tensor 'model\.layers\.0\.self_attn\."
+                                          r"v_proj\.weight'"):
+        _load_layer(missing, 0)
+    short = _changed(folder, tmp_path / "b", {"model.layers.0.mlp.up_proj.weight":
+                                              torch.zeros(95, 64)})
+    with pytest.raises(StrataError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' has "
+                                          r"shape \(95, 64\) but the model config implies "
+                                          r"\(96, 64\)"):
+        _load_layer(short, 0)
+
+
+def test_random_checkpoint_fills_stacked_projections(tmp_path):
+    import json
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**TINY, "architectures": ["LlamaForCausalLM"]}))
+    engine = Engine(EngineConfig(model=f"random:{config}", spec=0, max_context=64))
+    layer = engine.runner.stages[0].module.model.layers["0"]
+    assert layer.self_attn.qkv_proj.weight.shape == (64 + 2 * 32, 64)
+    assert layer.mlp.gate_up_proj.weight.std() > 0.01
+    assert engine.score([1, 2, 3]).isfinite().all()

@@ -1,6 +1,7 @@
 """The pre-norm decoder layer shared by llama-family architectures:
 x + attn(norm(x)), then h + mlp(norm(h)). The attention (or any token mixer that keeps
-its state in the layer's cache) and the MLP are supplied by the architecture file."""
+its state in the layer's cache) and the MLP are supplied by the architecture file. The
+first residual add and the norm after it are one fused step (strata/layers/fused.py)."""
 
 import torch
 from torch import nn
@@ -19,5 +20,6 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: Cache) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), meta, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(self.input_layernorm(x), meta, cache)
+        h, normed = self.post_attention_layernorm.add_and_norm(attn, x)  # h = x + attn
+        return h + self.mlp(normed)

@@ -5,7 +5,9 @@ the stage's weight format. Every parameter may carry a ParamSpec saying how the 
 (strata/weights/loader.py) keeps it; modules are built on the meta device and each
 parameter is materialised where and how its spec says, one at a time — no module is built
 dense and cast as a whole. Today a spec names a dtype (the stage's, or float32 for a
-router that must stay exact); quantized blocks and host-RAM placement are the next kinds.
+router that must stay exact) and, for a stacked projection (q, k and v as one `qkv_proj`),
+the checkpoint's projections whose rows it stacks; quantized blocks and host-RAM placement
+are the next kinds.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from torch import nn
 @dataclass(frozen=True)
 class ParamSpec:
     dtype: torch.dtype | None = None  # None: the stage's weight dtype (--dtype)
+    # (sibling projection, rows) whose checkpoint tensors this parameter stacks, in order.
+    parts: tuple[tuple[str, int], ...] = ()
 
 
 STAGE_DTYPE = ParamSpec()
@@ -67,3 +71,9 @@ class LinearFactory:
                  dtype: torch.dtype | None = None) -> Linear:
         """`dtype` pins this projection's weights (a router kept in float32)."""
         return Linear(in_features, out_features, bias, ParamSpec(dtype or self.format.dtype))
+
+    def stacked(self, in_features: int, parts: dict[str, int], *, bias: bool = False) -> Linear:
+        """One projection whose output rows are those of the checkpoint's projections
+        `parts` (name -> rows, in order; siblings of this one): one GEMM instead of several."""
+        spec = ParamSpec(self.format.dtype, tuple(parts.items()))
+        return Linear(in_features, sum(parts.values()), bias, spec)

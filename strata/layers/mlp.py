@@ -1,4 +1,5 @@
-"""The gated (SwiGLU) feed-forward block of llama-family models."""
+"""The gated (SwiGLU) feed-forward block of llama-family models: one GEMM for gate and
+up (`gate_up_proj`, the checkpoint's gate_proj and up_proj stacked by rows when loaded)."""
 
 import torch
 from torch import nn
@@ -10,9 +11,9 @@ from strata.layers.linear import LinearFactory
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, linear: LinearFactory):
         super().__init__()
-        self.gate_proj = linear(hidden, intermediate)
-        self.up_proj = linear(hidden, intermediate)
+        self.gate_up_proj = linear.stacked(hidden, {"gate_proj": intermediate,
+                                                    "up_proj": intermediate})
         self.down_proj = linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, h]

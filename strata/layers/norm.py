@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from strata.layers.fused import rms_norm
+from strata.layers.fused import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -14,3 +14,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor,
+                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, this norm of it): one kernel where compiled."""
+        return add_rms_norm(x, residual, self.weight, self.eps)

@@ -2,9 +2,10 @@
 the checkpoint and materialised where and how its ParamSpec says (strata/layers/linear.py).
 
 Checkpoint names are Hugging Face's. The loader maps what every architecture shares (tied
-embeddings, stacked experts) and asks the architecture for what is its own (the rows of a
-GGUF tensor in the order its converter wrote them). Shapes are checked against the model
-config before anything is copied to the device.
+embeddings, stacked experts, projections stacked into one: a spec's `parts`, each read as a
+parameter of its own) and asks the architecture for what is its own (the rows of a GGUF
+tensor in the order its converter wrote them). Shapes are checked against the model config,
+part by part, before anything is copied to the device.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from strata.errors import StrataError
-from strata.layers.linear import spec_of, with_spec
+from strata.layers.linear import STAGE_DTYPE, ParamSpec, spec_of, with_spec
 from strata.models.registry import Architecture
 from strata.weights.experts import is_stacked_expert, stacked_experts
 from strata.weights.tensor import StoredTensor
@@ -36,6 +37,29 @@ def read_parameter(arch: Architecture, checkpoint, name: str) -> StoredTensor:
     return stored
 
 
+def read_checked(arch: Architecture, checkpoint, name: str, shape: tuple[int, ...],
+                 spec: ParamSpec = STAGE_DTYPE) -> StoredTensor:
+    """The stored tensor for parameter `name` of `shape`: read, or stacked from the rows of
+    the projections its spec names, each read and checked as a parameter of its own."""
+    if spec.parts:
+        return StoredTensor.cat_rows([
+            read_checked(arch, checkpoint, part_name(name, part), (rows, *shape[1:]))
+            for part, rows in spec.parts])
+    stored = read_parameter(arch, checkpoint, name)
+    if tuple(stored.shape) != tuple(shape):
+        raise StrataError(
+            f"{checkpoint.path}: tensor '{name}' has shape {tuple(stored.shape)} but the model "
+            f"config implies {tuple(shape)}; the checkpoint does not match its config")
+    return stored
+
+
+def part_name(name: str, part: str) -> str:
+    """`...self_attn.qkv_proj.weight`, `q_proj` -> `...self_attn.q_proj.weight`."""
+    owner, _, attr = name.rpartition(".")
+    parent = owner.rpartition(".")[0]
+    return f"{parent}.{part}.{attr}" if parent else f"{part}.{attr}"
+
+
 def load_module(module: nn.Module, checkpoint, arch: Architecture, *, device: torch.device,
                 dtype: torch.dtype, checkpoint_name: Callable[[str], str] = lambda n: n,
                 progress: tqdm | None = None) -> None:
@@ -48,13 +72,7 @@ def load_module(module: nn.Module, checkpoint, arch: Architecture, *, device: to
             value = torch.empty(param.shape, dtype=target, device=device)
             checkpoint.fill(name, value)
         else:
-            source = checkpoint_name(name)
-            stored = read_parameter(arch, checkpoint, source)
-            if tuple(stored.shape) != tuple(param.shape):
-                raise StrataError(
-                    f"{checkpoint.path}: tensor '{source}' has shape {tuple(stored.shape)} but "
-                    f"the model config implies {tuple(param.shape)}; the checkpoint does not "
-                    "match its config")
+            stored = read_checked(arch, checkpoint, checkpoint_name(name), param.shape, spec)
             value = stored.dense(target).to(device)
         _replace(module, name, with_spec(nn.Parameter(value, requires_grad=False), spec))
         if progress is not None:

@@ -3,8 +3,9 @@
 A GGUF tensor keeps its raw blocks and their type (`Q4_1`, `Q8_0`, `F32`, …) until the
 loader decides, per parameter, how it is kept; a safetensors tensor is a torch tensor.
 Either way `shape` is the shape the model sees ([out, in] for a projection), and
-`dense(dtype)` gives the values. Row selections (llama's rotary un-permutation) work on the
-raw blocks too, since a GGUF block never spans two rows.
+`dense(dtype)` gives the values. Row selections (llama's rotary un-permutation) and row
+concatenations (q, k and v stacked into one projection) work on the raw blocks too, since a
+GGUF block never spans two rows.
 """
 
 from __future__ import annotations
@@ -51,3 +52,14 @@ class StoredTensor:
             return StoredTensor.of(self.data[index])
         return StoredTensor((len(index), *self.shape[1:]), self.type,
                             self.data[index.numpy()])
+
+    @classmethod
+    def cat_rows(cls, parts: list[StoredTensor]) -> StoredTensor:
+        """The parts' rows one after the other (their other dimensions agree): raw blocks
+        stay raw when every part has the same type, else float32 values."""
+        if all(p.is_torch for p in parts):
+            return cls.of(torch.cat([p.data for p in parts]))
+        if len({p.type for p in parts}) == 1 and not any(p.is_torch for p in parts):
+            shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+            return cls(shape, parts[0].type, np.concatenate([p.data for p in parts]))
+        return cls.of(torch.cat([p.dense(torch.float32) for p in parts]))
