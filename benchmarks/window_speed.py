@@ -26,13 +26,14 @@ from strata.errors import StrataError
 from strata.sampling.params import SamplingParams
 
 
-def measure(config, slots: int, window: int, steps: int) -> tuple[float, float]:
+def measure(config, slots: int, window: int, steps: int,
+            context: int = 64) -> tuple[float, float]:
     """(median ms per window, host ms per window) for `slots` requests of `window` tokens."""
     extra = dict(spec=window - 1, simulate_acceptance=0.0) if window > 1 else dict(spec=0)
     engine = Engine(dataclasses.replace(config, parallel=slots, **extra))
     gen = torch.Generator().manual_seed(slots * 100 + window)
     requests = [engine.add_request(
-        torch.randint(0, engine.model_config.vocab_size, (64,), generator=gen).tolist(),
+        torch.randint(0, engine.model_config.vocab_size, (context,), generator=gen).tolist(),
         SamplingParams(temperature=0, max_tokens=steps + 40, ignore_eos=True))
         for _ in range(slots)]
     while any(r.num_output_tokens < 8 for r in requests):  # prefill and warm-up
@@ -59,6 +60,7 @@ def main() -> int:
     parser.add_argument("--windows", default="1,2,4,8,16,32", help="tokens per slot")
     parser.add_argument("--slots", default="1,4")
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--context", type=int, default=64, help="prompt tokens of each slot")
     add_record_flags(parser)
     add_engine_flags(parser)
     args = parser.parse_args()
@@ -70,14 +72,15 @@ def main() -> int:
     rows, raw = [], []
     for slots in map(int, args.slots.split(",")):
         for window in map(int, args.windows.split(",")):
-            ms, host = measure(config, slots, window, args.steps)
+            ms, host = measure(config, slots, window, args.steps, args.context)
             rows.append([slots, window, slots * window, f"{ms:.2f}", f"{host:.2f}",
                          f"{host / slots:.2f}", f"{slots * 1e3 / ms:.0f}"])
             raw.append({"slots": slots, "window": window, "ms": ms, "host_ms": host})
     model = args.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)"
     settings = (f"devices={','.join(config.devices)} dtype={config.torch_dtype()} "
                 f"attention={config.attention_backend} cuda-graphs={config.cuda_graphs} "
-                f"compile={config.compile}")
+                f"compile={config.compile} schedule-ahead={config.schedule_ahead} "
+                f"context={args.context}")
     print(f"machine: {machine()}\ncommit: {commit()}\nmodel: {model}\nsettings: {settings}\n")
     print(markdown_table(["slots", "tokens per slot", "window tokens", "ms per window (median)",
                           "host ms per window", "host ms per slot",

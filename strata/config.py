@@ -98,10 +98,11 @@ class EngineConfig:
         "cost of one more token in a window, as a fraction of a one-token window; a draft "
         "token is sent only while its expected acceptance exceeds it"))
     spec_window_cost: float = field(default=0.4, metadata=_opt(
-        "with windows built ahead (--schedule-ahead): what carrying drafts at all costs a "
-        "window, as a fraction of a one-token window (its group's next window cannot be "
-        "built ahead, so the host's time shows; 0.4 on an H200 with the default model). A "
-        "slot drafts only when its draft's expected gain exceeds it"))
+        "with windows built ahead (--schedule-ahead): what carrying drafts at all costs each "
+        "slot of a window, as a fraction of a one-token window (the group's next window "
+        "cannot be built ahead, so the host's time shows; 0.4 on an H200 with the default "
+        "model). The first draft of a window is sent only when its expected gain exceeds "
+        "this times the group's busy slots"))
     simulate_acceptance: float | None = field(default=None, metadata=_opt(
         "speed studies only: every slot drafts --spec tokens every window and accepts each "
         "with this probability (the text is meaningless; everything is labelled simulated)"))

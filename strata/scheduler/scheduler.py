@@ -15,9 +15,9 @@ A group decoding without drafts can have a second window in flight (`ahead`): bu
 its first computes, each entry one token whose id the device carries over from the first
 window's verification (WindowHeader.carry). If the first window ends a request (EOS, a stop
 id), the second window's entry for it is dropped at commit, like an aborted one's. With
-drafting on, a slot drafts only where the draft is worth more than `window_cost` (what a
-window loses when the next cannot be built ahead), and a group goes ahead only while no
-slot's proposers, asked on the context it has, would draft.
+drafting on, the first slot of a window to draft must gain more than `window_cost` per
+slot of its group (what the group loses when its next window cannot be built ahead), and a
+group goes ahead only while no slot's proposers, asked on the context it has, would draft.
 
 Allocation covers every kind of layer cache (kvcache/spec.py): KV blocks as a slot's
 sequence grows, and `state_rows_per_slot` rows of per-slot state from admission to finish.
@@ -148,18 +148,18 @@ class Scheduler:
         for slot, request, count in zip(slots, last.requests, header.query_lens):
             if slot.request is not request or slot.num_computed + count != request.num_tokens:
                 return None
-            if not self._continues(request) or self._would_draft(slot):
+            if not self._continues(request) or self._would_draft(slot, len(slots)):
                 return None
         return self._build(group, [(slot, 1) for slot in slots], ahead=header.query_lens)
 
-    def _would_draft(self, slot: Slot) -> bool:
+    def _would_draft(self, slot: Slot, group_slots: int) -> bool:
         """Would the slot's proposers draft, on the context the slot has now (one token
         short of the next window's)? Then its next window waits to carry the drafts."""
         if self.drafts is None:
             return False
         with self._isolated(slot):
             return self.drafts.draft(slot.request, self._room(slot, self.max_window_tokens),
-                                     self.window_cost) is not None
+                                     self.window_cost * group_slots) is not None
         return True  # its proposer failed: the slot is free, the group changed
 
     def _continues(self, request: Request) -> bool:
@@ -176,6 +176,9 @@ class Scheduler:
         busy.sort(key=lambda s: s.num_pending > 1)  # decoding slots first, then prompts
         budget = self.max_window_tokens
         entries: list[tuple[Slot, int]] = []
+        # Giving up the next window's overlap costs every slot of the group: the first
+        # draft of the window pays for all of them, later ones only for their tokens.
+        window_cost = self.window_cost * len(busy)
         for slot in busy:
             if budget == 0:
                 break
@@ -184,7 +187,9 @@ class Scheduler:
             if slot.num_pending == 1 and self.drafts is not None:
                 with self._isolated(slot):
                     slot.draft = self.drafts.draft(slot.request, self._room(slot, budget - 1),
-                                                   self.window_cost)
+                                                   window_cost)
+                    if slot.draft is not None:
+                        window_cost = 0.0
                 if slot.free:  # its proposer failed: the request failed with it
                     continue
                 count += len(slot.draft.tokens) if slot.draft else 0
