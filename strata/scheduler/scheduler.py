@@ -1,8 +1,8 @@
 """Scheduler: admits requests into slots, builds windows, commits results.
 
 Slots are split into groups (slot i belongs to group i % G); a window carries one group's
-slots, and each group has at most one window in flight, so up to G windows travel the
-stages at once. A new request takes a free slot of the group whose window is being built.
+slots, and each group has at most one window in flight (two with `ahead`, below), so up
+to G windows travel the stages at once. A new request takes a free slot of the group whose window is being built.
 
 There are no prefill and decode phases: each slot's `num_computed` chases its request's
 `num_tokens`. A window takes every decoding slot's last token, followed by that slot's
