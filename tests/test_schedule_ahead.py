@@ -142,3 +142,19 @@ def test_a_draft_must_be_worth_the_window():
     assert policy.draft(request, 8).tokens == [1, 2, 3]  # gain 0.45 + 0.2 + 0.05
     assert policy.draft(request, 8, window_cost=0.6).tokens == [1, 2, 3]
     assert policy.draft(request, 8, window_cost=0.75) is None
+
+
+def test_schedule_ahead_setting_resolves_and_checks():
+    from strata.engine.engine import schedules_ahead
+    from strata.errors import StrataError
+
+    assert schedules_ahead(EngineConfig(devices=("cuda:0",)))  # auto: on CUDA
+    assert not schedules_ahead(EngineConfig())                # auto: not on the CPU
+    assert schedules_ahead(EngineConfig(schedule_ahead="on"))
+    assert not schedules_ahead(EngineConfig(devices=("cuda:0",), schedule_ahead="off"))
+    assert not schedules_ahead(EngineConfig(devices=("cpu", "cpu"), layer_split=(2,),
+                                            schedule_ahead="on"))  # stage processes
+    with pytest.raises(StrataError, match="--schedule-ahead sometimes is not one of"):
+        EngineConfig(schedule_ahead="sometimes")
+    with pytest.raises(StrataError, match="--spec-window-cost must be >= 0"):
+        EngineConfig(spec_window_cost=-1)
