@@ -7,7 +7,7 @@ field's metadata), so a flag and its setting cannot drift apart.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -116,13 +116,11 @@ class EngineConfig:
         if self.attention_backend not in ("auto", *backend_names()):
             raise StrataError(f"--attention-backend {self.attention_backend} does not exist; "
                               f"available: {', '.join(backend_names())}")
-        if self.cuda_graphs not in ("auto", "on", "off"):
-            raise StrataError(f"--cuda-graphs {self.cuda_graphs} is not one of auto, on, off")
-        if self.compile not in ("on", "off"):
-            raise StrataError(f"--compile {self.compile} is not one of on, off")
-        if self.schedule_ahead not in ("auto", "on", "off"):
-            raise StrataError(f"--schedule-ahead {self.schedule_ahead} is not one of auto, "
-                              "on, off")
+        for f in fields(self):  # settings with a fixed set of values name them
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise StrataError(f"--{f.name.replace('_', '-')} {getattr(self, f.name)} is "
+                                  f"not one of {', '.join(choices)}")
         for name in ("parallel", "max_window_tokens", "block_size", "cuda_graph_max_tokens"):
             if getattr(self, name) < 1:
                 raise StrataError(f"--{name.replace('_', '-')} must be at least 1 "

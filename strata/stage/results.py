@@ -87,14 +87,14 @@ class WindowVerifier:
         """Queue the window's verification (no host read). logits: the rows
         header.logits_idx() asks for; hidden: final-norm [T, hidden]."""
         rows = logits[header.sample_rows.to(logits.device)] if header.logits_all else logits
+        apart = None
         try:
-            return LaunchedWindow(header, logits, rows, hidden,
-                                  self._decide(rows, header.verify))
+            decided = self._decide(rows, header.verify)
         except Exception:  # noqa: BLE001 - find the entries that fail; the others go on
             apart = self._decide_apart(rows, header.verify)  # NOTE: host reads, rare
             decided = torch.tensor([[len(t) - 1 for t in apart[0]], [t[-1] for t in apart[0]]],
                                    dtype=torch.long).to(logits.device)
-            return LaunchedWindow(header, logits, rows, hidden, decided, apart)
+        return LaunchedWindow(header, logits, rows, hidden, decided, apart)
 
     def finish(self, launched: LaunchedWindow) -> WindowResult:
         """Read the verification back (the window's host read, which waits for the

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from tqdm import tqdm
@@ -22,7 +22,7 @@ from strata.config import EngineConfig
 from strata.errors import StrataError
 from strata.kvcache.spec import CacheSize
 from strata.scheduler.window import Window
-from strata.stage.results import WindowResult, WindowVerifier
+from strata.stage.results import LaunchedWindow, WindowResult, WindowVerifier
 from strata.stage.stage import build_stage
 
 
@@ -80,7 +80,7 @@ class ModelRunner:
         for stage in self.stages:
             stage.capture_graphs(config)
         self.last = WindowVerifier(self.stages[-1], config)
-        self._queue: deque[tuple[Window, Any, list[float]]] = deque()  # launched windows
+        self._queue: deque[tuple[Window, LaunchedWindow, list[float]]] = deque()  # launched
 
     @property
     def num_stages(self) -> int:
