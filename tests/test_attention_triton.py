@@ -106,6 +106,27 @@ def test_odd_head_dims_and_block_sizes(dim, block_size, heads):
     torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_long_contexts_split_their_walk(splits):
+    """Decoding and verifying over hundreds of positions: the key walk split over programs
+    (the default for so few tiles: 16 splits, most with keys), over 4, or not at all."""
+    from strata.attention import triton_kernel
+
+    batch = window([(600, 1), (290, 4)], block_size=16)
+    pair = caches(2, 64, 16)
+    q, k, v = inputs(len(batch.positions), 6, 2, 64)
+    ref = get_backend("reference").forward(q, k, v, pair[0], get_backend("reference").prepare(
+        batch, CPU))
+    meta = get_backend("triton").prepare(batch, CPU)
+    pair[1].key.index_copy_(0, meta.slot_mapping, k)
+    pair[1].value.index_copy_(0, meta.slot_mapping, v)
+    tri = triton_kernel.paged_attention(q, pair[1].key, pair[1].value, meta.positions,
+                                        meta.block_tables, meta.tile_entry, meta.tile_start,
+                                        meta.tile_count, 16, 64 ** -0.5, splits=splits)
+    torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+    assert triton_kernel.num_splits(3 * 2) == 16 and triton_kernel.num_splits(200) == 1
+
+
 def test_positions_rewritten_after_a_rejection():
     """A verify run writes positions 10..14; 1 draft of 4 is accepted, so the next window
     starts at 12 and rewrites 12 and 13 (13 held a rejected draft): 13 must attend to its
@@ -172,7 +193,8 @@ def test_padding_is_harmless_and_meta_shapes_follow_the_window_shape():
         copy_meta(static, backend.prepare(window([(7, 30)], 4, seed=9), CPU))
 
 
-def compile_offline(arch: int, head_dim: int, group: int, q_dtype, kv_dtype):
+def compile_offline(arch: int, head_dim: int, group: int, q_dtype, kv_dtype,
+                    splits: int = 1):
     """The kernel as triton compiles it for an NVIDIA GPU of compute capability `arch`
     (no GPU needed), with the constants the launcher would pass."""
     import inspect
@@ -186,22 +208,31 @@ def compile_offline(arch: int, head_dim: int, group: int, q_dtype, kv_dtype):
 
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     constants, num_warps = triton_kernel.kernel_constants(head_dim, group, q_dtype, kv_dtype, 16)
-    fn = triton_kernel._paged_attention.fn  # the Python function under jit or interpreter
-    signature = {}
-    for name in inspect.signature(fn).parameters:
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name in ("q_ptr", "out_ptr"):
-            signature[name] = "*" + names[q_dtype]
-        elif name in ("key_ptr", "value_ptr"):
-            signature[name] = "*" + names[kv_dtype]
-        else:
-            signature[name] = ("*i32" if name.endswith("_ptr") else
-                               "fp32" if name == "qk_scale" else "i32")
-    return triton.compile(ASTSource(fn=JITFunction(fn), signature=signature,
-                                    constexprs=constants),
-                          target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps, num_stages=2))
+    constants["NUM_SPLITS"] = splits
+    kernels = [(triton_kernel._paged_attention, constants, num_warps)]
+    if splits > 1:
+        kernels.append((triton_kernel._combine_splits,
+                        {k: constants[k] for k in ("HEAD_DIM", "BLOCK_D", "NUM_SPLITS")}, 1))
+    compiled = []
+    for kernel, constexprs, warps in kernels:
+        fn = kernel.fn  # the Python function under jit or interpreter
+        signature = {}
+        for name in inspect.signature(fn).parameters:
+            if name in constexprs:
+                signature[name] = "constexpr"
+            elif name in ("q_ptr", "out_ptr"):
+                signature[name] = "*" + names[q_dtype]
+            elif name in ("key_ptr", "value_ptr"):
+                signature[name] = "*" + names[kv_dtype]
+            else:
+                signature[name] = ("*fp32" if name.startswith("split_") else
+                                   "*i32" if name.endswith("_ptr") else
+                                   "fp32" if name == "qk_scale" else "i32")
+        compiled.append(triton.compile(ASTSource(fn=JITFunction(fn), signature=signature,
+                                                 constexprs=constexprs),
+                                       target=GPUTarget("cuda", arch, 32),
+                                       options=dict(num_warps=warps, num_stages=2)))
+    return compiled[0]
 
 
 SERVED = [(64, 3, "bfloat16", "bfloat16"),   # SmolLM2: head dim, GQA group, q, cache
@@ -217,14 +248,14 @@ def test_the_kernel_compiles_for_rtx3090_and_h200(tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     code = ("import torch; from test_attention_triton import SERVED, compile_offline\n"
             "for arch in (86, 90):\n"
-            "    print(*[compile_offline(arch, d, g, getattr(torch, q), getattr(torch, kv))"
-            ".metadata.shared for d, g, q, kv in SERVED])")
+            "    print(*[compile_offline(arch, d, g, getattr(torch, q), getattr(torch, kv), s)"
+            ".metadata.shared for d, g, q, kv in SERVED for s in (1, 16)])")
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
     shared = [int(n) for line in done.stdout.split() for n in line.split()]
-    assert len(shared) == 2 * len(SERVED)
+    assert len(shared) == 2 * 2 * len(SERVED)
     assert max(shared) <= 99 * 1024  # SM86's most shared memory per block
 
 

@@ -9,6 +9,12 @@ key's cache row looked up through the entry's block table, and keeps an online s
 in fp32 (exp2). A row attends to key positions up to its own token's position; keys of
 positions above a query's are read but masked.
 
+A window of few tiles (decoding) would leave most of the GPU idle while each program walks
+its whole context, so its walk is split: NUM_SPLITS programs per tile and head take
+consecutive ranges of the key positions and store unnormalised partials (acc, max, sum),
+and `_combine_splits` merges them. The split count follows the launch's shape only (tiles,
+heads), never the context, so graphs capture it like the rest.
+
 NOTE: nothing here syncs with the host or allocates by data: the loop bound is loaded by
 the program itself, so a launch can be captured in a CUDA graph. Tile sizes are fixed from
 the head dim and dtypes (no autotuning: a fresh machine compiles in seconds), and only
@@ -24,21 +30,27 @@ import triton.language as tl
 
 BLOCK_M = 16  # tokens per query tile (the tile map in triton_paged.py is built with it)
 LOG2_E = 1.4426950408889634  # the kernel's softmax uses exp2
+SPLIT_TARGET = 128  # programs a launch of few tiles is split up to (an H200 has 132 SMs)
+MAX_SPLITS = 16
 
 
 @triton.jit
 def _paged_attention(
         q_ptr, out_ptr, key_ptr, value_ptr,              # [T, H, D] x2, [rows, Hkv, D] x2
+        split_acc_ptr, split_ml_ptr,                     # [S, T, H, BLOCK_D], [S, T, H, 2]
         positions_ptr, block_tables_ptr,                 # [T], [B, W]
         tile_entry_ptr, tile_start_ptr, tile_count_ptr,  # [tiles] each
         stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
         stride_ot, stride_oh, stride_table, qk_scale,    # qk_scale includes log2(e)
+        num_tokens, num_heads,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, GROUP_BLOCK: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE_FP32: tl.constexpr):
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE_FP32: tl.constexpr,
+        NUM_SPLITS: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_CHUNKS
     chunk = tl.program_id(1) % HEAD_CHUNKS
+    split = tl.program_id(2)
     entry = tl.load(tile_entry_ptr + tile).to(tl.int64)
     first = tl.load(tile_start_ptr + tile).to(tl.int64)
     count = tl.load(tile_count_ptr + tile)
@@ -59,12 +71,16 @@ def _paged_attention(
     # an empty tile (padding of the tile map) runs no key block at all.
     q_pos = tl.load(positions_ptr + first + token, mask=token < count, other=-1)  # [ROWS]
     end = tl.max(q_pos, axis=0) + 1
+    # This program's keys: split `split` of the tile's key steps, whole steps each.
+    per_split = tl.cdiv(tl.cdiv(end, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(end, lo + per_split)
 
     m_i = tl.full([BLOCK_M * GROUP_BLOCK], -1.0e30, dtype=tl.float32)  # finite: no inf - inf
     l_i = tl.zeros([BLOCK_M * GROUP_BLOCK], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_BLOCK, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + entry * stride_table
-    for start in range(0, end, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         key_pos = start + tl.arange(0, BLOCK_N)                            # [BLOCK_N]
         key_ok = key_pos < end
         block = tl.load(table + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
@@ -90,10 +106,38 @@ def _paged_attention(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    out_rows = (first + token) * stride_ot + head * stride_oh
-    tl.store(out_ptr + out_rows[:, None] + dim[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & dim_ok[None, :])
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out_rows = (first + token) * stride_ot + head * stride_oh
+        tl.store(out_ptr + out_rows[:, None] + dim[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dim_ok[None, :])
+    else:  # every split stores its partials, an empty range too (max -1e30, sum 0)
+        part = (split * num_tokens + first + token) * num_heads + head            # [ROWS]
+        tl.store(split_acc_ptr + part[:, None] * BLOCK_D + dim[None, :], acc,
+                 mask=row_ok[:, None])
+        tl.store(split_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(split_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits(
+        split_acc_ptr, split_ml_ptr, out_ptr,            # partials as stored above, [T, H, D]
+        stride_ot, stride_oh, num_tokens, num_heads,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """One program per (token, head): the splits' partial softmaxes rescaled to their
+    common maximum and summed."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    split = tl.arange(0, NUM_SPLITS)
+    part = (split * num_tokens + token) * num_heads + head                        # [S]
+    m = tl.load(split_ml_ptr + part * 2)
+    weight = tl.exp2(m - tl.max(m, axis=0))                                        # [S]
+    total = tl.sum(tl.load(split_ml_ptr + part * 2 + 1) * weight, axis=0)
+    dim = tl.arange(0, BLOCK_D)
+    acc = tl.load(split_acc_ptr + part[:, None] * BLOCK_D + dim[None, :])        # [S, D]
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dim,
+             out.to(out_ptr.dtype.element_ty), mask=dim < HEAD_DIM)
 
 
 def kernel_constants(head_dim: int, group: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
@@ -117,22 +161,46 @@ def kernel_constants(head_dim: int, group: int, q_dtype: torch.dtype, kv_dtype: 
     return constants, num_warps
 
 
+def num_splits(programs: int) -> int:
+    """Splits of each program's key walk for a launch of `programs` (tile, head) programs:
+    enough to give the GPU about SPLIT_TARGET programs, at most MAX_SPLITS, 1 when the
+    launch fills it already. A function of the launch's shape only."""
+    if programs >= SPLIT_TARGET:
+        return 1
+    return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(SPLIT_TARGET, programs)))
+
+
 def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     positions: torch.Tensor, block_tables: torch.Tensor,
                     tile_entry: torch.Tensor, tile_start: torch.Tensor,
-                    tile_count: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+                    tile_count: torch.Tensor, block_size: int, scale: float,
+                    splits: int | None = None) -> torch.Tensor:
     """q [T, H, D] attends through `block_tables` [B, W] to `key`/`value` [rows, Hkv, D]
     -> [T, H, D] in q's dtype. Tokens are grouped in tiles (tile_* [tiles], see
-    triton_paged.py); the cache must already hold the window's own keys and values."""
-    heads, head_dim = q.shape[1], q.shape[2]
+    triton_paged.py); the cache must already hold the window's own keys and values.
+    `splits`: of each key walk (a power of two; default `num_splits` of the launch)."""
+    tokens, heads, head_dim = q.shape
     kv_heads = key.shape[1]
     constants, num_warps = kernel_constants(head_dim, heads // kv_heads, q.dtype, key.dtype,
                                             block_size)
     out = torch.empty_like(q)
     grid = (tile_entry.shape[0], kv_heads * constants["HEAD_CHUNKS"])
-    _paged_attention[grid](
-        q, out, key, value, positions, block_tables, tile_entry, tile_start, tile_count,
+    splits = splits or num_splits(grid[0] * grid[1])
+    block_d = constants["BLOCK_D"]
+    if splits > 1:  # the partials, allocated by the launch's shape (graphs capture them)
+        split_acc = torch.empty(splits, tokens, heads, block_d, dtype=torch.float32,
+                                device=q.device)
+        split_ml = torch.empty(splits, tokens, heads, 2, dtype=torch.float32, device=q.device)
+    else:
+        split_acc = split_ml = out  # not read
+    _paged_attention[grid + (splits,)](
+        q, out, key, value, split_acc, split_ml, positions, block_tables, tile_entry,
+        tile_start, tile_count,
         q.stride(0), q.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2_E,
-        **constants, num_warps=num_warps, num_stages=2)
+        out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2_E, tokens, heads,
+        **constants, NUM_SPLITS=splits, num_warps=num_warps, num_stages=2)
+    if splits > 1:
+        _combine_splits[(tokens, heads)](
+            split_acc, split_ml, out, out.stride(0), out.stride(1), tokens, heads,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=1)
     return out
