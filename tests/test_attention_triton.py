@@ -109,7 +109,7 @@ def test_odd_head_dims_and_block_sizes(dim, block_size, heads):
 @pytest.mark.parametrize("splits", [None, 1, 4])
 def test_long_contexts_split_their_walk(splits):
     """Decoding and verifying over hundreds of positions: the key walk split over programs
-    (the default for so few tiles: 16 splits, most with keys), over 4, or not at all."""
+    (the default for so few tokens: 16 splits, most with keys), over 4, or not at all."""
     from strata.attention import triton_kernel
 
     batch = window([(600, 1), (290, 4)], block_size=16)

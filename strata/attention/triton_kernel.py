@@ -12,8 +12,9 @@ positions above a query's are read but masked.
 A window of few tiles (decoding) would leave most of the GPU idle while each program walks
 its whole context, so its walk is split: NUM_SPLITS programs per tile and head take
 consecutive ranges of the key positions and store unnormalised partials (acc, max, sum),
-and `_combine_splits` merges them. The split count follows the launch's shape only (tiles,
-heads), never the context, so graphs capture it like the rest.
+and `_combine_splits` merges them. The split count follows the window's size only, never
+the context, so graphs capture it like the rest; ranges past a tile's context are empty
+and their programs end at once.
 
 NOTE: nothing here syncs with the host or allocates by data: the loop bound is loaded by
 the program itself, so a launch can be captured in a CUDA graph. Tile sizes are fixed from
@@ -30,11 +31,13 @@ import triton.language as tl
 
 BLOCK_M = 16  # tokens per query tile (the tile map in triton_paged.py is built with it)
 LOG2_E = 1.4426950408889634  # the kernel's softmax uses exp2
-SPLIT_TARGET = 128  # programs a launch of few tiles is split up to (an H200 has 132 SMs)
+SPLIT_TOKENS = 64  # windows of up to this many tokens split their walks
 MAX_SPLITS = 16
 
 
-@triton.jit
+# NOTE: sizes that change with every window are not specialised on (triton would compile
+# a variant per divisibility by 16 while serving).
+@triton.jit(do_not_specialize=["stride_table", "num_tokens"])
 def _paged_attention(
         q_ptr, out_ptr, key_ptr, value_ptr,              # [T, H, D] x2, [rows, Hkv, D] x2
         split_acc_ptr, split_ml_ptr,                     # [S, T, H, BLOCK_D], [S, T, H, 2]
@@ -119,7 +122,7 @@ def _paged_attention(
         tl.store(split_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _combine_splits(
         split_acc_ptr, split_ml_ptr, out_ptr,            # partials as stored above, [T, H, D]
         stride_ot, stride_oh, num_tokens, num_heads,
@@ -161,13 +164,12 @@ def kernel_constants(head_dim: int, group: int, q_dtype: torch.dtype, kv_dtype: 
     return constants, num_warps
 
 
-def num_splits(programs: int) -> int:
-    """Splits of each program's key walk for a launch of `programs` (tile, head) programs:
-    enough to give the GPU about SPLIT_TARGET programs, at most MAX_SPLITS, 1 when the
-    launch fills it already. A function of the launch's shape only."""
-    if programs >= SPLIT_TARGET:
-        return 1
-    return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(SPLIT_TARGET, programs)))
+def num_splits(tokens: int) -> int:
+    """Splits of each program's key walk for a window of `tokens` tokens: MAX_SPLITS for
+    decoding and verifying windows (a few tiles: the GPU would idle), 1 for prompt chunks.
+    Two values by the window's size alone: graph buckets of both sizes compile both at
+    capture, so no window compiles a new variant while serving."""
+    return MAX_SPLITS if tokens <= SPLIT_TOKENS else 1
 
 
 def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -185,7 +187,7 @@ def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                             block_size)
     out = torch.empty_like(q)
     grid = (tile_entry.shape[0], kv_heads * constants["HEAD_CHUNKS"])
-    splits = splits or num_splits(grid[0] * grid[1])
+    splits = splits or num_splits(tokens)
     block_d = constants["BLOCK_D"]
     if splits > 1:  # the partials, allocated by the launch's shape (graphs capture them)
         split_acc = torch.empty(splits, tokens, heads, block_d, dtype=torch.float32,
