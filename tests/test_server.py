@@ -451,6 +451,42 @@ def test_retry_after_grows_with_the_queue():
     assert estimates == [2, 6, 18]  # (waiting + 1) / slots x seconds per request
 
 
+def test_updates_that_piled_up_come_merged_and_an_error_stays_apart():
+    """A consumer that fell behind the engine gets one update for the tokens that came
+    (ids and logprobs in order, the last one's finish and drafts); an error after them
+    is its own last update; a quiet request yields keepalive ticks."""
+    import asyncio
+
+    from strata.request import Request
+    from strata.sampling.params import SamplingParams
+    from strata.server.async_engine import RequestHandle, Update, deliver_all
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        request = Request([1, 2], SamplingParams(max_tokens=8))
+        finished, failed, quiet = (RequestHandle(request, loop) for _ in range(3))
+        deliver_all([(finished, Update([5], logprobs=["a"])),
+                     (failed, Update([9])),
+                     (finished, Update([6, 7], logprobs=["b", "c"])),
+                     (failed, Update([], error="boom", error_status=500)),
+                     (finished, Update([8], "length", drafts={"drafted": 1},
+                                       logprobs=["d"])),
+                     (failed, Update([10]))])  # after the error: never read
+        ticks = []
+        async for update in quiet.updates(keepalive=0.01):
+            ticks.append(update)
+            if len(ticks) == 2:
+                break
+        return ([u async for u in finished.updates()], [u async for u in failed.updates()],
+                ticks)
+
+    finished, failed, ticks = asyncio.run(run())
+    assert finished == [Update([5, 6, 7, 8], "length", drafts={"drafted": 1},
+                               logprobs=["a", "b", "c", "d"])]
+    assert failed == [Update([9]), Update([], error="boom", error_status=500)]
+    assert ticks == [None, None]
+
+
 def test_sigterm_ends_running_requests_after_the_shutdown_timeout(small):
     """Runs last on this server: SIGTERM lets a running request go on for
     --shutdown-timeout (2 s), then ends it with an OpenAI-shaped 503 and exits."""

@@ -65,29 +65,71 @@ class Update:
 
 
 class RequestHandle:
-    """The HTTP side of one request: an async stream of Updates."""
+    """The HTTP side of one request: an async stream of Updates.
+
+    The engine thread delivers updates in batches (one wake-up of the event loop per
+    window for every request it advanced); a consumer that fell behind gets the updates
+    that piled up merged into one (`coalesce`), so a slow client or a busy event loop
+    costs one SSE chunk per turn of the loop, not one per window."""
 
     def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
         self.request_id = request.request_id
         self.prompt_tokens = request.num_prompt_tokens
         self.request = request  # NOTE: owned by the engine thread; read only its constants here
         self.loop = loop
-        self.queue: asyncio.Queue[Update] = asyncio.Queue()
+        self._pending: list[Update] = []  # event-loop thread: delivered, not yet read
+        self._arrived = asyncio.Event()
         self.sent = 0  # engine thread: output ids pushed so far
         self.started: float | None = None  # engine thread: when its first tokens came
 
+    def deliver(self, update: Update) -> None:
+        """Event-loop thread: one more update for `updates`."""
+        self._pending.append(update)
+        self._arrived.set()
+
     async def updates(self, keepalive: float | None = None) -> AsyncIterator[Update | None]:
-        """The request's updates; None every `keepalive` seconds that nothing came (a
-        stream still waiting for a slot can say it is alive)."""
+        """The request's updates, those that came together merged; None every `keepalive`
+        seconds that nothing came (a stream still waiting for a slot can say it is alive)."""
         while True:
-            try:
-                update = await asyncio.wait_for(self.queue.get(), keepalive)
-            except asyncio.TimeoutError:
-                yield None
-                continue
-            yield update
-            if update.finish_reason is not None or update.error is not None:
-                return
+            if not self._pending:
+                self._arrived.clear()
+                try:
+                    if keepalive is None:
+                        await self._arrived.wait()
+                    else:
+                        await asyncio.wait_for(self._arrived.wait(), keepalive)
+                except asyncio.TimeoutError:
+                    yield None
+                    continue
+            batch, self._pending = self._pending, []
+            for update in coalesce(batch):
+                yield update
+                if update.finish_reason is not None or update.error is not None:
+                    return
+
+
+def coalesce(updates: list[Update]) -> list[Update]:
+    """Runs of token updates merged into one (ids and logprobs concatenated, the last
+    one's finish and draft statistics); an error update stays apart, after the tokens
+    before it."""
+    merged: list[Update] = []
+    for update in updates:
+        last = merged[-1] if merged else None
+        if (last is None or last.error is not None or last.finish_reason is not None
+                or update.error is not None):
+            merged.append(update)
+            continue
+        logprobs = (None if last.logprobs is None and update.logprobs is None
+                    else (last.logprobs or []) + (update.logprobs or []))
+        merged[-1] = Update(last.token_ids + update.token_ids, update.finish_reason,
+                            drafts=update.drafts, logprobs=logprobs)
+    return merged
+
+
+def deliver_all(deliveries: list[tuple[RequestHandle, Update]]) -> None:
+    """Event-loop thread: hand each update to its request."""
+    for handle, update in deliveries:
+        handle.deliver(update)
 
 
 def one_line(error: BaseException) -> str:
@@ -287,8 +329,7 @@ class AsyncEngine:
                         log.exception("engine failed")
                     return one_line(e)
                 self.metrics.window_seconds.observe(time.perf_counter() - start)
-                for request in updated:
-                    self._push(request)
+                self._send([d for d in map(self._push, updated) if d is not None])
                 self.metrics.observe_drafts(engine.draft_stats)
                 self.metrics.observe_stages(engine.stage_seconds, engine.scheduler_seconds)
             self.metrics.queue_length.set(len(engine.scheduler.waiting))
@@ -324,10 +365,12 @@ class AsyncEngine:
                 engine.abort(command[1])  # NOTE: None if it failed and is not reported yet
                 self._finished(handle.request)
 
-    def _push(self, request: Request) -> None:
+    def _push(self, request: Request) -> tuple[RequestHandle, Update] | None:
+        """The update that carries the request's new tokens to its handle (None if the
+        request has no handle: aborted)."""
         handle = self._handles.get(request.request_id)
         if handle is None:
-            return
+            return None
         now = time.monotonic()
         handle.started = handle.started or now
         start = request.num_prompt_tokens + handle.sent
@@ -342,11 +385,11 @@ class AsyncEngine:
         else:
             update = Update(ids, request.finish_reason if final else None, logprobs=logprobs,
                             drafts=request.draft_stats.as_dict() if final else None)
-        self._send(handle, update)
         if final:
             del self._handles[request.request_id]
             self._seconds_per_request += 0.2 * (now - handle.started - self._seconds_per_request)
             self._finished(request)
+        return handle, update
 
     def _end_overdue(self) -> None:
         """After begin_shutdown's timeout: end every request still running."""
@@ -385,7 +428,7 @@ class AsyncEngine:
 
     def _fail(self, handle: RequestHandle, message: str, status: int) -> None:
         handle.request.fail(message)
-        self._send(handle, Update([], error=message, error_status=status))
+        self._send([(handle, Update([], error=message, error_status=status))])
         self._finished(handle.request)
 
     def _finished(self, request: Request) -> None:
@@ -394,5 +437,10 @@ class AsyncEngine:
         self.metrics.requests.labels(request.finish_reason or "unknown").inc()
 
     @staticmethod
-    def _send(handle: RequestHandle, update: Update) -> None:
-        handle.loop.call_soon_threadsafe(handle.queue.put_nowait, update)
+    def _send(deliveries: list[tuple[RequestHandle, Update]]) -> None:
+        """One wake-up of each event loop for all of its handles' updates."""
+        loops: dict[asyncio.AbstractEventLoop, list] = {}
+        for handle, update in deliveries:
+            loops.setdefault(handle.loop, []).append((handle, update))
+        for loop, items in loops.items():
+            loop.call_soon_threadsafe(deliver_all, items)

@@ -228,19 +228,19 @@ async def whole(http: HTTPRequest, shape: ResponseShape, streams: list[AsyncIter
     return shape.full(choices, prompt_tokens)
 
 
-async def _disconnected(http: HTTPRequest) -> None:
-    """Returns when the client disconnects (the body was read already)."""
-    while (await http.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def sse(shape: ResponseShape, handles: list[RequestHandle], streams: list[AsyncIterator],
-              include_usage: bool) -> AsyncIterator[str]:
-    """SSE events of n choices, interleaved as their tokens come; an SSE comment for a
-    keepalive tick; an error event if a choice fails; the usage chunk; [DONE]."""
-    def event(data: dict) -> str:
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
+async def _interleaved(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """(choice, Piece | None | APIError) as each choice's pieces come, until every choice
+    ended; a choice's APIError is its last item. Closing it closes every stream (their
+    engine requests are aborted). One choice is read directly: no task per token."""
+    if len(streams) == 1:
+        try:
+            async for piece in streams[0]:
+                yield 0, piece
+        except APIError as e:
+            yield 0, e
+        finally:
+            await streams[0].aclose()
+        return
     merged: asyncio.Queue = asyncio.Queue()
     done = object()
 
@@ -254,17 +254,41 @@ async def sse(shape: ResponseShape, handles: list[RequestHandle], streams: list[
             await merged.put((index, done))
 
     tasks = [asyncio.ensure_future(pump(i, t)) for i, t in enumerate(streams)]
-    lasts: list[Piece | None] = [None] * len(streams)
     running = len(streams)
     try:
-        if shape.chat:
-            for i in range(len(streams)):
-                yield event(shape.chunk(i, None, None, first=True))
         while running:
             index, item = await merged.get()
             if item is done:
                 running -= 1
-            elif item is None:
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _disconnected(http: HTTPRequest) -> None:
+    """Returns when the client disconnects (the body was read already)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def sse(shape: ResponseShape, handles: list[RequestHandle], streams: list[AsyncIterator],
+              include_usage: bool) -> AsyncIterator[str]:
+    """SSE events of n choices, interleaved as their tokens come; an SSE comment for a
+    keepalive tick; an error event if a choice fails; the usage chunk; [DONE]."""
+    def event(data: dict) -> str:
+        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    lasts: list[Piece | None] = [None] * len(streams)
+    pieces = _interleaved(streams)
+    try:
+        if shape.chat:
+            for i in range(len(streams)):
+                yield event(shape.chunk(i, None, None, first=True))
+        async for index, item in pieces:
+            if item is None:
                 yield ": waiting\n\n"
             elif isinstance(item, APIError):
                 yield event(error_body(item.status, item.message))
@@ -276,9 +300,7 @@ async def sse(shape: ResponseShape, handles: list[RequestHandle], streams: list[
                 if item.finish is not None:
                     yield event(shape.chunk(index, None, item.finish))
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await pieces.aclose()
     if include_usage:
         yield event(shape.usage_chunk(handles[0].prompt_tokens, lasts))
     yield "data: [DONE]\n\n"
