@@ -76,8 +76,11 @@ class EngineConfig:
     parallel: int = field(default=1, metadata=_opt("number of slots: requests decoded at once"))
     max_context: int | None = field(default=None, metadata=_opt(
         "tokens per slot, prompt plus output (default: the model's context, at most 4096)"))
-    max_window_tokens: int = field(default=512, metadata=_opt(
-        "tokens in one forward window: decode tokens first, prompt chunks fill the rest"))
+    max_window_tokens: int = field(default=2048, metadata=_opt(
+        "tokens in one forward window: decode tokens first, prompt chunks fill the rest "
+        "(prompts longer than this take several windows; a window above "
+        "--cuda-graph-max-tokens runs eagerly, so fewer, larger prompt windows prefill "
+        "faster)"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV cache block"))
     spec: int = field(default=8, metadata=_opt(
         "most draft tokens per slot per window (0 turns drafting off); suffix drafts of long "
