@@ -90,6 +90,9 @@ class EngineConfig:
         list_of=str))
     spec_suffix_max: int = field(default=32, metadata=_opt(
         "most draft tokens of a confident suffix-tree match"))
+    spec_suffix_factor: float = field(default=1.0, metadata=_opt(
+        "a suffix draft is at most this many times as long as the text it matched (a short "
+        "match is a guess, a long one a copy; SuffixDecoding's max_spec_factor)"))
     spec_suffix_global: int = field(default=100_000, metadata=_opt(
         "tokens of recently finished outputs the suffix proposer drafts from (0: none; "
         "benchmarks use 0 so that requests do not draft from each other's answers)"))
@@ -128,6 +131,9 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise StrataError(f"--{name.replace('_', '-')} must be at least 1 "
                                   f"(got {getattr(self, name)})")
+        if self.spec_suffix_factor <= 0:
+            raise StrataError(f"--spec-suffix-factor must be above 0 (got "
+                              f"{self.spec_suffix_factor})")
         if self.spec < 0 or self.spec_suffix_max < 0 or self.spec_suffix_global < 0:
             raise StrataError("--spec, --spec-suffix-max and --spec-suffix-global must be >= 0")
         if not 1 <= self.lookup_min <= self.lookup_max:

@@ -22,6 +22,11 @@ def naive_count(tokens: list[int], path: list[int]) -> int:
     return sum(tokens[i:i + k] == path for i in range(len(tokens) - k + 1))
 
 
+# Tests of what the tries hold draft as far as a match goes: no cap by match length
+# (test_a_short_match_drafts_a_short_guess tests that cap).
+LONG = 100.0
+
+
 def naive_cont(tokens: list[int], path: list[int]) -> int:
     """Occurrences of path followed by a token."""
     k = len(path)
@@ -31,20 +36,34 @@ def naive_cont(tokens: list[int], path: list[int]) -> int:
 # -- drafts from the request's own tokens ---------------------------------------------------
 def test_copying_a_passage_proposes_its_continuation_up_to_max_draft():
     passage = novel(300, seed=1)
-    p = SuffixProposer()  # max_depth 64, max_draft 32
+    p = SuffixProposer()  # max_depth 64, max_draft 32, spec_factor 1
     for k in (1, 5, 40, 63, 100, 200):
         p.start("r", novel(50, seed=2, low=90_000) + passage + novel(20, seed=3, low=200_000))
         p.extend("r", passage[:k])
         draft = p.propose("r", 100)
+        length = min(k, 32)  # as long as the match, at most max_draft
         assert draft.proposer == "suffix"
-        assert draft.tokens == passage[k:k + 32]       # capped at max_draft
-        assert draft.scores == [1.0] * 32
-        assert p.propose("r", 5).tokens == passage[k:k + 5]
+        assert draft.tokens == passage[k:k + length]
+        assert draft.scores == [1.0] * length
+        assert p.propose("r", 3).tokens == passage[k:k + min(k, 3)]
+
+
+@pytest.mark.parametrize("factor,expected", [(0.5, 3), (1.0, 6), (2.0, 12), (10.0, 32)])
+def test_a_short_match_drafts_a_short_guess(factor, expected):
+    """SuffixDecoding's rule: a draft is at most spec_factor times as long as the suffix
+    it follows, here 6 tokens of a passage seen once (and never beyond max_draft)."""
+    passage = novel(100, seed=6)
+    p = SuffixProposer(spec_factor=factor)
+    p.start("r", novel(30, seed=7, low=90_000) + passage + passage[:6])
+    draft = p.propose("r", 100)
+    assert draft.tokens == passage[6:6 + expected]
+    with pytest.raises(StrataError, match="spec-suffix-factor"):
+        SuffixProposer(spec_factor=0)
 
 
 def test_a_small_max_depth_still_drafts_long_copies():
     passage = novel(100, seed=4)
-    p = SuffixProposer(max_depth=8, max_draft=40)
+    p = SuffixProposer(max_depth=8, max_draft=40, spec_factor=LONG)
     p.start("r", passage + passage[:20])
     assert p.propose("r", 40).tokens == passage[20:60]
 
@@ -52,12 +71,12 @@ def test_a_small_max_depth_still_drafts_long_copies():
 def test_the_draft_follows_the_most_frequent_continuation():
     # A B is followed by C E three times and by D once.
     tokens = [A, B, C, E, 10, A, B, C, E, 11, A, B, D, 12, A, B, C, E, 13, A, B]
-    p = SuffixProposer(min_score=0.3)
+    p = SuffixProposer(spec_factor=LONG, min_score=0.3)
     p.start("r", tokens)
     draft = p.propose("r", 10)
     assert draft.tokens == [C, E]
     assert draft.scores == pytest.approx([0.75, 0.75])  # then 10/11/13 at 1/3 each: 0.25 < 0.3
-    low = SuffixProposer(min_score=0.2)
+    low = SuffixProposer(spec_factor=LONG, min_score=0.2)
     low.start("r", tokens)
     draft = low.propose("r", 3)
     assert draft.tokens[:2] == [C, E] and draft.tokens[2] in (10, 11, 13)
@@ -89,7 +108,7 @@ def test_draft_length_adapts_to_confidence():
        max_tokens=st.integers(1, 12))
 def test_draft_matches_naive_counts(tokens, max_tokens):
     """Each draft token is a most frequent continuation, scored count / continuations."""
-    p = SuffixProposer(max_depth=64, max_draft=32, min_score=0.0)
+    p = SuffixProposer(max_depth=64, max_draft=32, min_score=0.0, spec_factor=100)
     p.start("r", tokens)
     draft = p.propose("r", max_tokens)
     L = max((k for k in range(1, len(tokens))
@@ -136,7 +155,7 @@ def test_trie_counts_equal_naive_counts_through_inserts_and_removals(seqs, drop,
 # -- the global trie ------------------------------------------------------------------------
 def test_a_finished_output_drafts_for_a_new_request():
     prompt, output = novel(40, seed=6), novel(120, seed=7, low=50_000)
-    p = SuffixProposer()
+    p = SuffixProposer(spec_factor=LONG)
     p.start("r1", prompt)
     p.extend("r1", output)
     p.finish("r1")
@@ -151,7 +170,7 @@ def test_a_finished_output_drafts_for_a_new_request():
 
 def test_a_running_request_sees_outputs_that_finish_after_it_started():
     output = novel(80, seed=10, low=50_000)
-    p = SuffixProposer()
+    p = SuffixProposer(spec_factor=LONG)
     p.start("reader", novel(20, seed=11, low=150_000))
     p.start("writer", novel(20, seed=12, low=250_000))
     p.extend("writer", output)
@@ -161,7 +180,7 @@ def test_a_running_request_sees_outputs_that_finish_after_it_started():
 
 
 def test_the_global_trie_stays_bounded_and_evicts_the_oldest_outputs():
-    p = SuffixProposer(max_depth=8, global_max_tokens=1000)
+    p = SuffixProposer(spec_factor=LONG, max_depth=8, global_max_tokens=1000)
     outputs = [novel(100, seed=100 + i, low=10_000 * (i + 1)) for i in range(40)]
     peak = 0
     for i, output in enumerate(outputs):
@@ -189,7 +208,7 @@ def test_global_drafts_stay_true_to_outputs_finishing_and_evicted_meanwhile(data
     and are evicted; its drafts must always continue text of an output still held."""
     master = list(range(100, 140))  # distinct: the reader's own trie never proposes
     max_depth, bound = 6, data.draw(st.integers(8, 40))
-    p = SuffixProposer(max_depth=max_depth, max_draft=8, global_max_tokens=bound,
+    p = SuffixProposer(spec_factor=LONG, max_depth=max_depth, max_draft=8, global_max_tokens=bound,
                        min_score=0.0)
     held: list[list[int]] = []
     p.start("reader", master[:1])
@@ -222,7 +241,7 @@ def test_global_drafts_stay_true_to_outputs_finishing_and_evicted_meanwhile(data
 
 def test_a_cursor_notices_when_its_output_is_replaced_by_another():
     X, a, b, c, d, p_, q, r, s_ = range(60, 69)
-    p = SuffixProposer(global_max_tokens=10)
+    p = SuffixProposer(spec_factor=LONG, global_max_tokens=10)
     for rid, output in (("o1", [X, a, b, c, d]), ):
         p.start(rid, [1])
         p.extend(rid, output)
@@ -240,7 +259,7 @@ def test_a_cursor_notices_when_its_output_is_replaced_by_another():
 
 def test_a_cursor_in_an_evicted_subtree_is_dropped():
     X, a, b, c, d = range(60, 65)
-    p = SuffixProposer(global_max_tokens=15)
+    p = SuffixProposer(spec_factor=LONG, global_max_tokens=15)
     for rid, output in (("o1", [X, a, b, c, 50, X, a, b, c, 51]), ("o2", [X, a, b, d, 52])):
         p.start(rid, [1])
         p.extend(rid, output)
@@ -255,7 +274,7 @@ def test_a_cursor_in_an_evicted_subtree_is_dropped():
 
 
 def test_an_output_longer_than_the_bound_keeps_its_end():
-    p = SuffixProposer(global_max_tokens=50)
+    p = SuffixProposer(spec_factor=LONG, global_max_tokens=50)
     output = novel(200, seed=13)
     p.start("r", [1])
     p.extend("r", output)
@@ -268,7 +287,7 @@ def test_an_output_longer_than_the_bound_keeps_its_end():
 # -- lifecycle ------------------------------------------------------------------------------
 def test_a_request_keeps_its_trie_until_finish_even_when_left_out_of_windows():
     passage = novel(100, seed=14)
-    p = SuffixProposer()
+    p = SuffixProposer(spec_factor=LONG)
     p.start("idle", passage + passage[:10])
     nodes, draft = p.num_nodes("idle"), p.propose("idle", 8)
     for step in range(200):  # others come, decode and go; "idle" gets no calls at all
@@ -296,7 +315,7 @@ def test_a_request_keeps_its_trie_until_finish_even_when_left_out_of_windows():
        max_depth=st.integers(2, 10))
 def test_incremental_extend_equals_building_from_scratch(tokens, cuts, history, max_depth):
     def proposer():
-        p = SuffixProposer(max_depth=max_depth, max_draft=16, min_score=0.05)
+        p = SuffixProposer(spec_factor=LONG, max_depth=max_depth, max_draft=16, min_score=0.05)
         p.start("old", [9])
         p.extend("old", history)
         p.finish("old")

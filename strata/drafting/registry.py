@@ -19,7 +19,8 @@ def _suffix(config: EngineConfig) -> Proposer | None:
     # NOTE: depth 32 keeps the tree's memory (nodes per token of repetitive output) and the
     # cost of adding a finished output to the global tree bounded.
     return SuffixProposer(max_draft=config.spec_suffix_max, max_depth=32,
-                          global_max_tokens=config.spec_suffix_global)
+                          global_max_tokens=config.spec_suffix_global,
+                          spec_factor=config.spec_suffix_factor)
 
 
 def _lookup(config: EngineConfig) -> Proposer:

@@ -238,7 +238,8 @@ class SuffixProposer:
     on_last_stage = False
 
     def __init__(self, max_depth: int = 64, max_draft: int = 32,
-                 global_max_tokens: int = 200_000, min_score: float = 0.1):
+                 global_max_tokens: int = 200_000, min_score: float = 0.1,
+                 spec_factor: float = 1.0):
         if max_depth < 2:
             raise StrataError(f"suffix proposer: max_depth must be at least 2 (got {max_depth})")
         if max_draft < 1:
@@ -248,7 +249,10 @@ class SuffixProposer:
                               f"(got {global_max_tokens})")
         if not 0.0 <= min_score <= 1.0:
             raise StrataError(f"suffix proposer: min_score must be in [0, 1] (got {min_score})")
+        if spec_factor <= 0:
+            raise StrataError(f"--spec-suffix-factor must be above 0 (got {spec_factor})")
         self.max_depth, self.max_draft = max_depth, max_draft
+        self.spec_factor = spec_factor
         self.global_max_tokens, self.min_score = global_max_tokens, min_score
         self._requests: dict[str, _RequestState] = {}
         self._global = SuffixTrie(max_depth)
@@ -278,15 +282,25 @@ class SuffixProposer:
             return None
         best: tuple[list[int], list[float]] = ([], [])
         if state.active:  # NOTE: a repeated suffix above max_depth is never kept active
-            best = state.trie.walk(state.active[0], 0, state.tokens, limit, self.min_score)
+            node = state.active[0]
+            best = state.trie.walk(node, 0, state.tokens, self._trusted(limit, node.depth),
+                                   self.min_score)
         for cursor in state.cursors:
             cursor = self._fresh(cursor, state.tokens, len(state.tokens))
             if cursor is not None and self._global.has_next(*cursor):
-                other = self._global.walk(*cursor, state.tokens, limit, self.min_score)
+                node, extra = cursor
+                other = self._global.walk(node, extra, state.tokens,
+                                          self._trusted(limit, node.depth + extra),
+                                          self.min_score)
                 if sum(other[1]) > sum(best[1]):
                     best = other
                 break
         return Draft(best[0], best[1], self.name) if best[0] else None
+
+    def _trusted(self, limit: int, match: int) -> int:
+        """Draft length after a suffix of `match` tokens: at most spec_factor x match (a
+        continuation seen once after two tokens is a guess; after twenty, a copy)."""
+        return min(limit, max(1, int(self.spec_factor * match)))
 
     def finish(self, request_id: str) -> None:
         """Free the request's trie and add its output to the global trie."""
