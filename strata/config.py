@@ -103,12 +103,11 @@ class EngineConfig:
     spec_token_cost: float = field(default=0.05, metadata=_opt(
         "cost of one more token in a window, as a fraction of a one-token window; a draft "
         "token is sent only while its expected acceptance exceeds it"))
-    spec_window_cost: float = field(default=0.4, metadata=_opt(
-        "with windows built ahead (--schedule-ahead): what carrying drafts at all costs each "
-        "slot of a window, as a fraction of a one-token window (the group's next window "
-        "cannot be built ahead, so the host's time shows; 0.4 on an H200 with the default "
-        "model). The first draft of a window is sent only when its expected gain exceeds "
-        "this times the group's busy slots"))
+    spec_window_cost: float = field(default=1.0, metadata=_opt(
+        "with windows built ahead (--schedule-ahead): what a slot gives up by carrying "
+        "drafts, in tokens: it sits out the window built ahead of its drafted one (the "
+        "group's other slots go on; a slot alone makes the group wait, and the host's time "
+        "shows). A draft is sent only when its expected gain exceeds this"))
     simulate_acceptance: float | None = field(default=None, metadata=_opt(
         "speed studies only: every slot drafts --spec tokens every window and accepts each "
         "with this probability (the text is meaningless; everything is labelled simulated)"))

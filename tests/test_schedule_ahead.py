@@ -10,6 +10,8 @@ import pytest
 
 from conftest import prompts
 from strata.config import EngineConfig
+from strata.drafting.draft import Draft
+from strata.drafting.policy import DraftPolicy
 from strata.engine.engine import Engine
 from strata.request import Request
 from strata.sampling.params import SamplingParams
@@ -71,15 +73,86 @@ def test_the_entry_ahead_of_a_finished_request_is_dropped():
     assert sched.pool.num_free == sched.pool.num_blocks
 
 
+class DraftsFor:
+    """A proposer that drafts [50, 51] (both certain) for the requests it is given."""
+    name, on_last_stage = "fixed", False
+
+    def __init__(self, *requests: Request):
+        self.ids = {r.request_id for r in requests}
+
+    def start(self, rid, prompt): pass
+    def extend(self, rid, tokens, stage_drafts=None): pass
+    def finish(self, rid): pass
+
+    def propose(self, rid, max_tokens):
+        return Draft([50, 51][:max_tokens], [1.0, 1.0][:max_tokens], self.name) \
+            if rid in self.ids else None
+
+
+def test_a_slot_with_drafts_sits_out_the_window_ahead_and_the_others_go_on():
+    """Slot 0 drafts: a window built ahead of one where it would draft or does carries
+    slots 1 and 2 only (their tokens from the device), and the one after that takes slot 0
+    back, with its token known by then and new drafts, beside slots 1 and 2 carried."""
+    a, b, c = make(3, max_tokens=20), make(5, max_tokens=20), make(4, max_tokens=20)
+    sched = Scheduler(num_slots=3, max_context=64, max_window_tokens=32, block_size=4,
+                      drafts=DraftPolicy([DraftsFor(a)], token_cost=0.05), ahead=True,
+                      window_cost=1.0)
+    for r in (a, b, c):
+        sched.add(r)
+    prompts = sched.schedule()
+    assert prompts.header.query_lens == [3, 5, 4]
+    ahead = sched.schedule_ahead()  # slot 0 would draft: it waits for its token
+    assert ahead.header.slots == [1, 2] and ahead.header.query_lens == [1, 1]
+    assert ahead.header.carry_rows == [0, 1] and ahead.header.carry_from == [1, 2]
+    assert ahead.header.positions.tolist() == [5, 4]
+    assert sched.schedule_ahead() is None  # two windows in flight already
+    sched.commit(prompts, [[7], [8], [9]])
+    drafted = sched.schedule_ahead()
+    assert drafted.header.slots == [0, 1, 2] and drafted.header.num_drafts == [2, 0, 0]
+    assert drafted.header.token_ids.tolist()[:3] == [7, 50, 51]  # known here, then drafts
+    assert drafted.header.carry_rows == [3, 4] and drafted.header.carry_from == [0, 1]
+    assert drafted.header.positions.tolist() == [3, 4, 5, 6, 5]
+    sched.commit(ahead, [[10], [11]])
+    around = sched.schedule_ahead()  # slot 0's drafts are in flight: it sits this one out
+    assert around.header.slots == [1, 2] and around.header.carry_from == [1, 2]
+    assert around.header.positions.tolist() == [7, 6]
+    sched.commit(drafted, [[50, 51, 12], [13], [14]])  # slot 0 accepts both drafts
+    back = sched.schedule_ahead()
+    assert back.header.slots == [0, 1, 2] and back.header.token_ids.tolist()[:3] == [12, 50, 51]
+    assert back.header.carry_rows == [3, 4] and back.header.carry_from == [0, 1]
+    assert back.header.positions.tolist() == [6, 7, 8, 8, 7]
+    sched.commit(around, [[15], [16]])
+    sched.commit(back, [[50, 17], [18], [19]])  # slot 0 accepts one draft
+    assert a.output_ids == [7, 50, 51, 12, 50, 17]
+    assert b.output_ids == [8, 10, 13, 15, 18] and c.output_ids == [9, 11, 14, 16, 19]
+    assert [s.num_computed for s in sched.slots] == [8, 9, 8] and not sched.in_flight
+
+
+def test_a_lone_slot_with_drafts_waits_for_its_window():
+    """With no other slot to carry, nothing is built ahead of a drafted window."""
+    a = make(3, max_tokens=20)
+    sched = Scheduler(num_slots=1, max_context=64, max_window_tokens=32, block_size=4,
+                      drafts=DraftPolicy([DraftsFor(a)], token_cost=0.05), ahead=True,
+                      window_cost=1.0)
+    sched.add(a)
+    sched.commit(sched.schedule(), [[7]])
+    drafted = sched.schedule()
+    assert drafted.header.num_drafts == [2] and sched.schedule_ahead() is None
+
+
 def run(engine: Engine, batch: list[list[int]], params: list[SamplingParams],
-        eos: frozenset[int]) -> tuple[list[list[int]], int]:
-    """Output ids, and how many windows carried their tokens over."""
+        eos: frozenset[int], mixed: list | None = None) -> tuple[list[list[int]], int]:
+    """Output ids, and how many windows carried their tokens over (in `mixed`, the
+    headers of those that carried some entries' tokens and took others' from here)."""
     carried = 0
     submit = engine.runner.submit
 
     def counting(window):
         nonlocal carried
         carried += window.header.carry
+        if mixed is not None and window.header.carry and \
+                len(window.header.carry_rows) < len(window.header.slots):
+            mixed.append(window.header)
         submit(window)
 
     engine.runner.submit = counting
@@ -110,8 +183,9 @@ def test_tokens_are_the_same_with_windows_ahead(tiny_models, groups):
 
 
 def test_drafts_and_windows_ahead_take_turns(tiny_models):
-    """Suffix drafts on repetitive prompts: slots draft where a draft is worth a window's
-    overlap, go ahead where not, and every greedy token is as without drafts."""
+    """Suffix drafts on repetitive prompts: slots draft where a draft is worth the window
+    they sit out, the others go on in windows built ahead, and every greedy token is as
+    without drafts."""
     folder, model = tiny_models["llama"]
     base = prompts(4, model.config.vocab_size, seed=11, low=6, high=14)
     batch = [p * 3 + p[:3] for p in base[:2]] + base[2:]  # two repeat, two do not
@@ -121,9 +195,11 @@ def test_drafts_and_windows_ahead_take_turns(tiny_models):
     plain, _ = run(Engine(dataclasses.replace(config, spec=0, schedule_ahead="off")), batch,
                    greedy, frozenset())
     engine = Engine(config)
-    drafted, carried = run(engine, batch, greedy, frozenset())
+    mixed = []
+    drafted, carried = run(engine, batch, greedy, frozenset(), mixed)
     assert drafted == plain
     assert carried > 0 and engine.draft_stats.drafted > 0
+    assert any(sum(h.num_drafts) for h in mixed)  # a slot back with drafts, others carried
 
 
 def test_a_draft_must_be_worth_the_window():

@@ -5,9 +5,9 @@ tokens are all right). Scaled by the request's running acceptance r for that pro
 token j is worth r * c_j expected accepted tokens and costs `--spec-token-cost` (one
 more token in the window, as a fraction of a one-token window). The draft is cut where
 the next token is worth less than it costs, and the proposer with the larger net gain
-wins. A caller may also price the window itself (`window_cost`: what a window loses by
-carrying drafts at all, when windows without them are built ahead): a draft whose net gain
-does not exceed it is not sent. The policy also forwards each request's lifecycle to every
+wins. A caller may also price drafting itself (`window_cost`: what the slot loses by
+carrying drafts at all, when windows are built ahead: it sits one out): a draft whose net
+gain does not exceed it is not sent. The policy also forwards each request's lifecycle to every
 proposer.
 """
 

@@ -11,13 +11,16 @@ tokens: committing moves `num_computed` past the accepted ones only, so the next
 starts at the first rejected position and overwrites it. A finished request frees its
 slot, its blocks and its state rows at once.
 
-A group decoding without drafts can have a second window in flight (`ahead`): built while
-its first computes, each entry one token whose id the device carries over from the first
-window's verification (WindowHeader.carry). If the first window ends a request (EOS, a stop
-id), the second window's entry for it is dropped at commit, like an aborted one's. With
-drafting on, the first slot of a window to draft must gain more than `window_cost` per
-slot of its group (what the group loses when its next window cannot be built ahead), and a
-group goes ahead only while no slot's proposers, asked on the context it has, would draft.
+A decoding group can have a second window in flight (`ahead`), built while its first
+computes. A slot that carries no drafts in the first window is one token on in the second,
+its id carried over on the device from the first window's verification (WindowHeader
+carry_rows). A slot that carries drafts in the first sits the second out (which drafts
+pass decides where it goes on) and is back in the third, with its tokens known by then.
+So one slot's drafts never hold up the others' windows. A draft must gain more than
+`window_cost` (the window its slot sits out), and a slot whose proposers, asked on the
+context it has, would draft sits out the window ahead so that it carries them in the next.
+If the first window ends a request (EOS, a stop id), the second window's entry for it is
+dropped at commit, like an aborted one's.
 
 Allocation covers every kind of layer cache (kvcache/spec.py): KV blocks as a slot's
 sequence grows, and `state_rows_per_slot` rows of per-slot state from admission to finish.
@@ -139,27 +142,53 @@ class Scheduler:
     def _schedule_ahead(self, group: int) -> Window | None:
         last = self._latest[group]
         header = last.header
-        if header.logits_all or not all(header.samples) or any(header.num_drafts):
-            return None  # prompt chunks or drafts in flight: the next window depends on them
-        slots = [self.slots[i] for i in header.slots]
+        if header.logits_all or not all(header.samples):
+            return None  # prompt chunks in flight: the next window depends on them
         busy = [s for s in self.groups[group] if not s.free]
-        if len(busy) != len(slots) or (self.waiting and len(busy) < len(self.groups[group])):
-            return None  # a slot with work outside the window, or a request to admit
-        for slot, request, count in zip(slots, last.requests, header.query_lens):
-            if slot.request is not request or slot.num_computed + count != request.num_tokens:
-                return None
-            if not self._continues(request) or self._would_draft(slot, len(slots)):
-                return None
-        return self._build(group, [(slot, 1) for slot in slots], ahead=header.query_lens)
+        if self.waiting and len(busy) < len(self.groups[group]):
+            return None  # a request to admit: the next window takes it
+        in_last = {index: (e, request, count, drafted) for e, (index, request, count, drafted)
+                   in enumerate(zip(header.slots, last.requests, header.query_lens,
+                                    header.num_drafts))}
+        budget = self.max_window_tokens
+        entries: list[tuple[Slot, int]] = []
+        ahead: list[tuple[int, int] | None] = []
+        for slot in busy:
+            if slot.index in in_last:
+                e, request, count, drafted = in_last[slot.index]
+                if drafted:
+                    continue  # which drafts pass decides its next tokens: it sits this one out
+                if slot.request is not request or slot.num_computed + count != request.num_tokens:
+                    return None
+                if not self._continues(request):
+                    return None
+                if self._would_draft(slot):
+                    continue  # it sits this one out and carries its drafts in the next
+                entries.append((slot, 1))
+                ahead.append((e, count))
+            elif slot.num_pending == 1:  # it sat out the window in flight: its token is known
+                count = self._with_draft(slot, budget)
+                if count is None:
+                    continue
+                entries.append((slot, count))
+                ahead.append(None)
+            else:
+                return None  # a prompt to prefill: the next window takes it
+            budget -= entries[-1][1]
+            if budget <= 0:
+                break
+        if not any(ahead):
+            return None  # nothing depends on the window in flight: the next one takes them
+        return self._build(group, entries, ahead=ahead)
 
-    def _would_draft(self, slot: Slot, group_slots: int) -> bool:
+    def _would_draft(self, slot: Slot) -> bool:
         """Would the slot's proposers draft, on the context the slot has now (one token
-        short of the next window's)? Then its next window waits to carry the drafts."""
+        short of the next window's)? Then it sits the next window out to carry them."""
         if self.drafts is None:
             return False
         with self._isolated(slot):
             return self.drafts.draft(slot.request, self._room(slot, self.max_window_tokens),
-                                     self.window_cost * group_slots) is not None
+                                     self.window_cost) is not None
         return True  # its proposer failed: the slot is free, the group changed
 
     def _continues(self, request: Request) -> bool:
@@ -176,28 +205,34 @@ class Scheduler:
         busy.sort(key=lambda s: s.num_pending > 1)  # decoding slots first, then prompts
         budget = self.max_window_tokens
         entries: list[tuple[Slot, int]] = []
-        # Giving up the next window's overlap costs every slot of the group: the first
-        # draft of the window pays for all of them, later ones only for their tokens.
-        window_cost = self.window_cost * len(busy)
         for slot in busy:
             if budget == 0:
                 break
-            count = min(slot.num_pending, budget)
-            slot.draft = None
-            if slot.num_pending == 1 and self.drafts is not None:
-                with self._isolated(slot):
-                    slot.draft = self.drafts.draft(slot.request, self._room(slot, budget - 1),
-                                                   window_cost)
-                    if slot.draft is not None:
-                        window_cost = 0.0
-                if slot.free:  # its proposer failed: the request failed with it
+            if slot.num_pending == 1:
+                count = self._with_draft(slot, budget)
+                if count is None:
                     continue
-                count += len(slot.draft.tokens) if slot.draft else 0
+            else:
+                slot.draft, count = None, min(slot.num_pending, budget)
             entries.append((slot, count))
             budget -= count
         if not entries:
             return None
         return self._build(group, entries)
+
+    def _with_draft(self, slot: Slot, budget: int) -> int | None:
+        """A decoding slot's tokens in the next window: its last one and the drafts the
+        policy picks (None if its proposer failed: the request failed with it). A draft
+        must gain more than `window_cost`: the slot then sits out the window built ahead
+        of this one."""
+        slot.draft = None
+        if self.drafts is not None:
+            with self._isolated(slot):
+                slot.draft = self.drafts.draft(slot.request, self._room(slot, budget - 1),
+                                               self.window_cost)
+            if slot.free:
+                return None
+        return 1 + (len(slot.draft.tokens) if slot.draft else 0)
 
     def _room(self, slot: Slot, budget: int) -> int:
         """Most drafts a decoding slot may carry: within the window budget, the context,
@@ -221,23 +256,29 @@ class Scheduler:
                         self.drafts.admitted(request)
 
     def _build(self, group: int, entries: list[tuple[Slot, int]],
-               ahead: list[int] | None = None) -> Window:
-        """`ahead`: a window built ahead: per entry the tokens the group's window in flight
-        computes; each entry is then the one token that window samples."""
+               ahead: list[tuple[int, int] | None] | None = None) -> Window:
+        """`ahead`: a window built ahead of the group's window in flight. Per entry, None
+        (its tokens are known here) or (its entry in the window in flight, the tokens it
+        computes there): the entry is then the one token that window samples for it."""
         tokens, positions, rows, tables, sample_rows = [], [], [], [], []
         samples, verify, following, mtp_rows, mtp_lens = [], [], [], [], []
-        starts = []
+        starts, carry_rows, carry_from = [], [], []
         offset = 0  # window row of the entry's first token
         for e, (slot, count) in enumerate(entries):
-            request, start = slot.request, slot.num_computed + (ahead[e] if ahead else 0)
-            num_tokens = request.num_tokens + (1 if ahead else 0)
+            carried = ahead[e] if ahead else None
+            request = slot.request
+            start = slot.num_computed + (carried[1] if carried else 0)
+            num_tokens = request.num_tokens + (1 if carried else 0)
+            if carried:
+                carry_rows.append(offset)
+                carry_from.append(carried[0])
             starts.append(start)
             # Positions the MTP layer may reach: the window's, then its chain of drafts.
             mtp_end = min(self.max_context, start + count + self.mtp_drafts + 1) \
                 if self.mtp_drafts else start + count
             slot.block_table.ensure(mtp_end)
             end = start + count - slot.num_drafted  # end of the run's known tokens
-            tokens.extend(request.token_ids[start:end] if not ahead else [0] * (end - start))
+            tokens.extend(request.token_ids[start:end] if not carried else [0] * (end - start))
             if slot.draft is not None:
                 tokens.extend(slot.draft.tokens)
             positions.append(torch.arange(start, start + count))
@@ -276,7 +317,8 @@ class Scheduler:
                         if self.state_rows_per_slot else None),
             mtp_rows=_padded(mtp_rows) if self.mtp_drafts else None,
             mtp_lens=mtp_lens if self.mtp_drafts else None,
-            carry=ahead is not None,
+            carry_rows=carry_rows,
+            carry_from=carry_from,
         )
         return Window(header, requests=[slot.request for slot, _ in entries],
                       drafts=[slot.draft for slot, _ in entries])

@@ -10,7 +10,7 @@ scheduler's own references (requests, drafts), which never leave the scheduler's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,9 +47,15 @@ class WindowHeader:
     mtp_rows: torch.Tensor | None = None    # [B, W] MTP-cache row of position start + 1 + j
     mtp_lens: list[int] | None = None       # per entry: how many of its mtp_rows exist
     logits_all: bool = False       # logits for every token (scoring), not only sampling entries
-    carry: bool = False            # token_ids are placeholders: entry e's token is the one the
-                                   # group's previous window decided for its entry e (on the
-                                   # device; the scheduler built this window ahead)
+    # A window built ahead: token_ids[carry_rows[i]] is a placeholder for the token the
+    # group's previous window decides for its entry carry_from[i] (on the device).
+    carry_rows: list[int] = field(default_factory=list)
+    carry_from: list[int] = field(default_factory=list)
+
+    @property
+    def carry(self) -> bool:
+        """Some of the window's input tokens come from the group's previous window."""
+        return bool(self.carry_rows)
 
     @property
     def num_tokens(self) -> int:

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from strata.config import EngineConfig
 from strata.errors import StrataError
 from strata.kvcache.spec import CacheSize
-from strata.scheduler.window import Window
+from strata.scheduler.window import Window, WindowHeader
 from strata.stage.results import LaunchedWindow, WindowResult, WindowVerifier
 from strata.stage.stage import build_stage
 
@@ -96,7 +96,7 @@ class ModelRunner:
         while the GPU computes."""
         header = window.header
         seconds = []
-        x = self._carried(header.group) if header.carry else header.token_ids
+        x = self._carried(header) if header.carry else header.token_ids
         for stage in self.stages:
             start = time.perf_counter()
             x = stage.forward(x, stage.prepare(header))
@@ -105,14 +105,26 @@ class ModelRunner:
         logits, hidden = x
         self._queue.append((window, self.last.launch(header, logits, hidden), seconds))
 
-    def _carried(self, group: int) -> torch.Tensor:
-        """The tokens the group's last window launched decided, entry by entry, on the
-        device: the input of a window the scheduler built ahead of it."""
+    def _carried(self, header: WindowHeader) -> torch.Tensor:
+        """The input token ids of a window built ahead, on the device: at its carry_rows
+        the tokens that the group's last window launched decided for its entries
+        carry_from, elsewhere the header's own."""
         for window, launched, _ in reversed(self._queue):
-            if window.header.group == group:
-                return launched.decided[1]
-        raise RuntimeError(f"a window of group {group} carries tokens over but none of that "
-                           "group's windows is in flight")
+            if window.header.group == header.group:
+                decided = launched.decided[1]
+                break
+        else:
+            raise RuntimeError(f"a window of group {header.group} carries tokens over but "
+                               "none of that group's windows is in flight")
+        n = header.num_tokens
+        if header.carry_rows == list(range(n)) and header.carry_from == list(range(n)):
+            return decided if decided.shape[0] == n else decided[:n]
+        device = decided.device
+        ids = header.token_ids.to(device, non_blocking=True, copy=True)
+        rows = torch.tensor(header.carry_rows, dtype=torch.long).to(device, non_blocking=True)
+        src = torch.tensor(header.carry_from, dtype=torch.long).to(device, non_blocking=True)
+        ids[rows] = decided[src]
+        return ids
 
     def collect(self) -> tuple[Window, WindowResult]:
         """Read back the oldest window launched (its one host read waits for the GPU)."""
