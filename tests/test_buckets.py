@@ -55,9 +55,17 @@ def test_pad_window_adds_one_entry_on_the_padding_block(tiny_models):
     assert padded.token_ids.shape == (real + 7,)
     with pytest.raises(ValueError, match="does not fit"):
         pad_window(header, real - 1, shape)
+    # A large bucket computes at most max_logits rows: the window's, then row 0.
+    rows = len(header.logits_idx())
+    capped = WindowShape(num_entries=5, table_width=10, padding_block=99, max_logits=rows + 1)
+    padded = pad_window(header, real + 7, capped)
+    assert padded.logits_idx.tolist() == [*header.logits_idx().tolist(), 0]
+    with pytest.raises(ValueError, match="logits rows does not fit"):
+        pad_window(header, real + 7, WindowShape(5, 10, 99, max_logits=rows - 1))
 
 
-def padded_everywhere(engine: Engine, sizes: list[int]) -> dict[str, int]:
+def padded_everywhere(engine: Engine, sizes: list[int],
+                      max_logits: int = 256) -> dict[str, int]:
     """Every stage of the engine pads its windows to these buckets (eagerly: no graphs on
     the CPU). Returns counts of windows padded and run eagerly, updated as the engine runs."""
     counts = {"padded": 0, "eager": 0}
@@ -65,7 +73,7 @@ def padded_everywhere(engine: Engine, sizes: list[int]) -> dict[str, int]:
         graphs = StageGraphs(stage, sizes,
                              WindowShape(engine.config.parallel + 1,
                                          stage.cache_size.blocks_per_slot,
-                                         stage.cache_size.padding_block),
+                                         stage.cache_size.padding_block, max_logits),
                              stage.arch.config.hidden_size, graphs=False)
         graphs.capture()
         stage.graphs = graphs
@@ -93,8 +101,9 @@ def test_padded_windows_give_the_same_tokens_and_logits(tiny_models, split, spec
     plain = Engine(EngineConfig(**config, spec=0, attention_backend="reference"))
     padded = Engine(EngineConfig(**config, spec=spec, attention_backend=backend,
                                  schedule_ahead="on"))
-    # Coarse buckets, so that most windows are padded; prompt windows of 25..32 run eagerly.
-    counts = padded_everywhere(padded, [2, 5, 11, 24])
+    # Coarse buckets, so that most windows are padded; prompt windows of 25..32 run eagerly,
+    # and so do windows of more than 9 logits rows (the score's, drafted ones).
+    counts = padded_everywhere(padded, [2, 5, 11, 24], max_logits=9)
     ids = prompts(1, 320, seed=3, low=20, high=21)[0]
     torch.testing.assert_close(padded.score(ids), plain.score(ids), rtol=1e-5, atol=1e-5)
     assert (padded.generate(repetitive_prompts(320), GREEDY)

@@ -39,17 +39,24 @@ def pick_bucket(num_tokens: int, sizes: list[int]) -> int | None:
 
 @dataclass(frozen=True)
 class WindowShape:
-    """What a stage's buckets share: entries (slots + 1) and block-table width."""
+    """What a stage's buckets share: entries (slots + 1), block-table width, and the most
+    logits rows a bucket computes (a large bucket carries prompt chunks, whose logits rows
+    are few: one per sampling entry and its drafts)."""
     num_entries: int
     table_width: int
     padding_block: int
+    max_logits: int = 256
+
+    def logit_rows(self, tokens: int) -> int:
+        """Logits rows of a bucket of `tokens` tokens."""
+        return min(tokens, self.max_logits)
 
 
 @dataclass(frozen=True)
 class PaddedWindow:
     batch: AttentionBatch     # T tokens, `num_entries` entries, `table_width` blocks each
     token_ids: torch.Tensor   # [T]
-    logits_idx: torch.Tensor  # [T]: the window's logits rows first, then row 0
+    logits_idx: torch.Tensor  # [shape.logit_rows(T)]: the window's logits rows, then row 0
     num_tokens: int           # real tokens (the first rows of the outputs)
     num_logits: int           # real logits rows
 
@@ -57,9 +64,12 @@ class PaddedWindow:
 def pad_window(header: WindowHeader, tokens: int, shape: WindowShape) -> PaddedWindow:
     """`header`'s window as `tokens` tokens and `shape.num_entries` entries."""
     real, entries = header.num_tokens, len(header.query_lens)
-    if real > tokens or entries >= shape.num_entries:
-        raise ValueError(f"a window of {real} tokens and {entries} entries does not fit "
-                         f"a bucket of {tokens} tokens and {shape.num_entries - 1} entries")
+    logits_idx = header.logits_idx()
+    rows = shape.logit_rows(tokens)
+    if real > tokens or entries >= shape.num_entries or len(logits_idx) > rows:
+        raise ValueError(f"a window of {real} tokens, {entries} entries and "
+                         f"{len(logits_idx)} logits rows does not fit a bucket of {tokens} "
+                         f"tokens, {shape.num_entries - 1} entries and {rows} rows")
     pad = tokens - real
     size = header.block_size
     padding_row = shape.padding_block * size
@@ -68,7 +78,6 @@ def pad_window(header: WindowHeader, tokens: int, shape: WindowShape) -> PaddedW
                         dtype=torch.long)
     width = header.block_tables.shape[1]
     tables[:entries, :width] = header.block_tables
-    logits_idx = header.logits_idx()
     batch = AttentionBatch(
         query_lens=query_lens,
         positions=_extend(header.positions, pad, 0),
@@ -76,7 +85,7 @@ def pad_window(header: WindowHeader, tokens: int, shape: WindowShape) -> PaddedW
         block_tables=tables,
         block_size=size)
     return PaddedWindow(batch, _extend(header.token_ids, pad, 0),
-                        _extend(logits_idx, tokens - len(logits_idx), 0), real, len(logits_idx))
+                        _extend(logits_idx, rows - len(logits_idx), 0), real, len(logits_idx))
 
 
 def _extend(values: torch.Tensor, count: int, fill: int) -> torch.Tensor:

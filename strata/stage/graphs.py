@@ -108,7 +108,9 @@ class StageGraphs:
     def prepare(self, header: WindowHeader) -> GraphCall | None:
         """Fill the window's bucket with its metadata; None when no bucket holds it."""
         tokens = pick_bucket(header.num_tokens, self.sizes)
-        if tokens is None or len(header.query_lens) >= self.shape.num_entries:
+        logits = header.num_tokens if header.logits_all else len(header.sample_rows)
+        if (tokens is None or len(header.query_lens) >= self.shape.num_entries
+                or logits > self.shape.logit_rows(tokens)):
             return None
         padded = pad_window(header, tokens, self.shape)
         meta = None

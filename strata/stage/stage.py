@@ -113,8 +113,10 @@ class Stage:
         if reason:
             raise StrataError(f"--cuda-graphs on: {reason}")
         size = self.cache_size
+        drafts = max(config.spec, config.spec_suffix_max) if config.spec else 0
         shape = WindowShape(config.parallel + 1, size.blocks_per_slot or size.num_blocks,
-                            size.padding_block)
+                            size.padding_block,
+                            max_logits=max(256, config.parallel * (1 + drafts)))
         graphs = StageGraphs(self, bucket_sizes(config.cuda_graph_max_tokens), shape,
                              self.arch.config.hidden_size)
         with torch.cuda.device(self.device):
