@@ -1,0 +1,89 @@
+"""The coding-agent workloads through the engine in this process, without the server: N
+streams at once, their total tok/s, each stream's, and the slowest window. Beside
+`strata bench` (the same prompts through the OpenAI server) it tells the engine's share of
+a cell from the server's (which streams every token from the same process).
+
+    .venv/bin/python benchmarks/engine_streams.py --devices cuda:0 --spec-suffix-global 0 \
+        --spec 8 --users 1,4
+
+Each batch's prompts carry a fresh tag, as the bench's do; a first batch of one request
+warms the engine up and is not reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from strata.bench.report import add_record_flags, commit, machine, markdown_table, record
+from strata.bench.workloads import WORKLOADS, workload
+from strata.cli import add_engine_flags, engine_config
+from strata.errors import StrataError
+from strata.llm import LLM
+from strata.sampling.params import SamplingParams
+
+
+def streams(llm: LLM, name: str, users: int, max_tokens: int, tag: str) -> dict:
+    """`users` requests of workload `name` at once, stepped as the server steps them."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    jobs = [llm.add(llm.encode_prompt(f"[{tag}{i:02x}] " + workload(name)), params)
+            for i in range(users)]
+    engine, worst, done = llm.engine, 0.0, {}
+    start = time.perf_counter()
+    while len(done) < users:
+        t = time.perf_counter()
+        engine.step()
+        engine.launch()
+        worst = max(worst, time.perf_counter() - t)
+        for i, job in enumerate(jobs):
+            job.advance()
+            if job.request.finished and i not in done:
+                done[i] = time.perf_counter() - start
+    wall = time.perf_counter() - start
+    tokens = [job.request.num_output_tokens for job in jobs]
+    return {"tok_s": sum(tokens) / wall, "stream_tok_s": [t / done[i] for i, t in
+                                                          enumerate(tokens)],
+            "worst_ms": worst * 1e3, "drafted": engine.draft_stats.drafted,
+            "accepted": engine.draft_stats.accepted}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--users", default="1,4", help="streams at once, one batch each")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--max-tokens", type=int, default=300)
+    add_record_flags(parser)
+    add_engine_flags(parser)
+    args = parser.parse_args()
+    users = [int(u) for u in args.users.split(",")]
+    try:
+        config = engine_config(args)
+        llm = LLM(dataclasses.replace(config, parallel=max(config.parallel, *users)))
+    except StrataError as e:
+        print(f"engine_streams: error: {e}", file=sys.stderr)
+        return 2
+    streams(llm, WORKLOADS[0], 1, args.max_tokens, "warm")
+    rows, raw = [], []
+    for name in args.workloads.split(","):
+        for n in users:
+            r = streams(llm, name, n, args.max_tokens, f"{name[:2]}{n}")
+            rows.append([name, n, f"{r['tok_s']:.0f}",
+                         f"{min(r['stream_tok_s']):.0f}-{max(r['stream_tok_s']):.0f}",
+                         f"{r['worst_ms']:.1f}"])
+            raw.append({"workload": name, "users": n, **r})
+    model = args.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)"
+    settings = (f"devices={','.join(config.devices)} spec={config.spec} "
+                f"schedule-ahead={config.schedule_ahead} cuda-graphs={config.cuda_graphs} "
+                f"max-tokens={args.max_tokens}")
+    print(f"machine: {machine()}\ncommit: {commit()}\nmodel: {model}\nsettings: {settings}\n")
+    print(markdown_table(["workload", "streams", "tok/s", "each stream", "slowest step ms"],
+                         rows))
+    record(args, {"benchmark": "engine_streams", "model": model, "settings": settings,
+                  "rows": raw})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
