@@ -281,15 +281,15 @@ class Scheduler:
             tokens.extend(request.token_ids[start:end] if not carried else [0] * (end - start))
             if slot.draft is not None:
                 tokens.extend(slot.draft.tokens)
-            positions.append(torch.arange(start, start + count))
-            rows.append(slot.block_table.rows(start, start + count))
+            positions.extend(range(start, start + count))
+            rows.extend(slot.block_table.rows(start, start + count))
             tables.append(slot.block_table.blocks)
             sample = end == num_tokens
             samples.append(sample)
             following.append(None if sample else request.token_ids[end])
             if sample:  # the verifier reads the last known token's row and each draft's
-                sample_rows.append(torch.arange(offset + count - 1 - slot.num_drafted,
-                                                offset + count))
+                sample_rows.extend(range(offset + count - 1 - slot.num_drafted,
+                                         offset + count))
                 verify.append(VerifyEntry(request.params, request.request_id,
                                           slot.draft.tokens if slot.draft else [],
                                           position=num_tokens))
@@ -305,12 +305,11 @@ class Scheduler:
             samples=samples,
             num_drafts=[slot.num_drafted for slot, _ in entries],
             token_ids=torch.tensor(tokens, dtype=torch.long),
-            positions=torch.cat(positions),
-            slot_mapping=torch.cat(rows),
+            positions=torch.tensor(positions, dtype=torch.long),
+            slot_mapping=torch.tensor(rows, dtype=torch.long),
             block_tables=_padded(tables),
             block_size=self.pool.block_size,
-            sample_rows=(torch.cat(sample_rows) if sample_rows
-                         else torch.zeros(0, dtype=torch.long)),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long),
             verify=verify,
             following=following,
             state_rows=(torch.tensor([slot.state_rows for slot, _ in entries], dtype=torch.long)
@@ -405,10 +404,7 @@ class Scheduler:
         slot.release()
 
 
-def _padded(rows: list) -> torch.Tensor:
-    """Lists (or 1-D tensors) of ints as one [len(rows), longest] tensor, padded with 0."""
+def _padded(rows: list[list[int]]) -> torch.Tensor:
+    """Lists of ints as one [len(rows), longest] tensor, padded with 0."""
     width = max(len(r) for r in rows)
-    out = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
-    return out
+    return torch.tensor([[*r, *[0] * (width - len(r))] for r in rows], dtype=torch.long)
