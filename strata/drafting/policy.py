@@ -7,8 +7,8 @@ more token in the window, as a fraction of a one-token window). The draft is cut
 the next token is worth less than it costs, and the proposer with the larger net gain
 wins. A caller may also price drafting itself (`window_cost`: what the slot loses by
 carrying drafts at all, when windows are built ahead: it sits one out): a draft whose net
-gain does not exceed it is not sent. The policy also forwards each request's lifecycle to every
-proposer.
+gain does not exceed it is not sent. The policy also forwards each request's lifecycle to
+every proposer.
 """
 
 from __future__ import annotations

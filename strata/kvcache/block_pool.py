@@ -15,7 +15,8 @@ from strata.errors import StrataError
 def cache_rows(block_table: torch.Tensor, positions: torch.Tensor,
                block_size: int) -> torch.Tensor:
     """Flat cache rows (block * block_size + offset) of `positions` [P] through
-    `block_table` [..., max blocks]: [..., P]. The one place this formula lives."""
+    `block_table` [..., max blocks]: [..., P]. BlockTable.rows computes the same rows on
+    the host, block by block (tests/test_scheduler.py checks that they agree)."""
     return block_table[..., positions // block_size] * block_size + positions % block_size
 
 

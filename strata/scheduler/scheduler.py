@@ -124,8 +124,9 @@ class Scheduler:
 
     def schedule_ahead(self) -> Window | None:
         """A decoding group's next window, built while its window in flight computes: each
-        of its slots one token on, that token carried over on the device. None where no
-        group has exactly one window in flight that every slot of it will decode on from."""
+        slot without drafts in that window one token on, that token carried over on the
+        device, beside the slots that sat that window out (their tokens known here). None
+        where no group has exactly one window in flight with a slot to carry on from."""
         if not self.ahead:
             return None
         for group, count in self.in_flight.items():
