@@ -261,3 +261,15 @@ def test_seeded_output_is_the_same_with_and_without_drafts():
             for j in range(4)]
     with_drafts = verifier.verify(logits, [VerifyEntry(params, "x", solo[:3], position=10)])[0]
     assert with_drafts == solo
+
+
+def test_the_last_stage_verifies_a_made_up_window_at_start_up(tiny_models):
+    """WindowVerifier.warm_up (run when the engine starts) takes the greedy and the sampled
+    paths with drafts: a device's first use of their kernels is paid at start-up."""
+    from strata.config import EngineConfig
+    from strata.engine.engine import Engine
+    engine = Engine(EngineConfig(model=str(tiny_models["llama"][0]), spec=0))
+    decided = engine.runner.last.warm_up(torch.device("cpu"), torch.float32, 320)
+    assert decided.shape == (2, 2)
+    assert decided[:, 0].tolist() == [1, 1]  # d1 = 1 accepted, then row 2's argmax
+    assert decided[0, 1].item() in (0, 1)

@@ -20,6 +20,7 @@ import torch
 from strata.config import EngineConfig
 from strata.drafting.draft import Draft
 from strata.sampling.logprobs import TokenLogprob, token_logprobs
+from strata.sampling.params import SamplingParams
 from strata.sampling.verifier import Verifier, VerifyEntry, emitted
 from strata.scheduler.window import WindowHeader
 from strata.stage.mtp_drafter import MTPDrafter
@@ -81,6 +82,20 @@ class WindowVerifier:
         self.simulate_acceptance = config.simulate_acceptance
         self.mtp = (MTPDrafter(last.module.mtp, last.mtp_cache, last.backend, config.spec,
                                config.spec_min_p) if last.mtp_cache is not None else None)
+        self.warm_up(last.device, last.dtype, last.arch.config.vocab_size)
+
+    def warm_up(self, device: torch.device, dtype: torch.dtype, vocab: int) -> torch.Tensor:
+        """Verify a made-up window once, greedy and sampled entries with drafts: a device's
+        first use of these kernels happens at start-up, not in the first drafted window
+        (which then stalled ~0.1 s on an H200). Returns the decisions (tests)."""
+        greedy = SamplingParams(temperature=0)
+        sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.05, seed=0)
+        entries = [VerifyEntry(greedy, "warm-up", [1, 2]),
+                   VerifyEntry(sampled, "warm-up", [3], position=1)]
+        logits = torch.zeros(5, vocab, dtype=dtype, device=device)
+        logits[:, 1] = 1.0  # greedy: d1 = 1 is accepted, d2 = 2 is not
+        decided = self.verifier.decide(logits, entries).cpu()
+        return decided
 
     def launch(self, header: WindowHeader, logits: torch.Tensor,
                hidden: torch.Tensor) -> LaunchedWindow:
