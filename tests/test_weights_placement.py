@@ -231,3 +231,18 @@ def test_random_checkpoint_fills_stacked_projections(tmp_path):
     assert layer.self_attn.qkv_proj.weight.shape == (64 + 2 * 32, 64)
     assert layer.mlp.gate_up_proj.weight.std() > 0.01
     assert engine.score([1, 2, 3]).isfinite().all()
+
+
+def test_random_weights_are_the_same_in_every_process():
+    """A random-weight model is drawn from seeds per parameter name that do not depend on
+    the process (Python's str hash does: PYTHONHASHSEED)."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch; from strata.weights.random_checkpoint import RandomCheckpoint; "
+            "p = torch.empty(64); RandomCheckpoint('smollm2-135m').fill("
+            "'model.layers.3.mlp.up_proj.weight', p); print(p.tolist())")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+            for seed in ("1", "2")}
+    assert len(outs) == 1

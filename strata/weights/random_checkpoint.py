@@ -2,13 +2,15 @@
 depend on the values, and a 30B-shaped model is made on the GPU in seconds instead of
 being copied there. Named `random:PRESET` or `random:/path/to/config.json`.
 
-Weights are N(0, 0.02) (norm weights 1), drawn directly on each stage's device. Such a
-model has no tokenizer: use it with token ids (benchmarks), never for real text.
+Weights are N(0, 0.02) (norm weights 1), drawn directly on each stage's device from a
+seed per parameter name, so every process draws the same model. Such a model has no
+tokenizer: use it with token ids (benchmarks), never for real text.
 """
 
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import torch
@@ -57,7 +59,9 @@ class RandomCheckpoint:
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:
-            gen = torch.Generator(device=param.device).manual_seed(self.seed + hash(name) % 100_003)
+            # NOTE: crc32, not hash(): the same weights in every process (PYTHONHASHSEED)
+            seed = self.seed + zlib.crc32(name.encode()) % 100_003
+            gen = torch.Generator(device=param.device).manual_seed(seed)
             param.normal_(0.0, 0.02, generator=gen)
 
     def read(self, name: str):
