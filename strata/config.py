@@ -62,11 +62,12 @@ class EngineConfig:
         "fused kernels (compiled once at start-up, in seconds); off: plain PyTorch",
         choices=("on", "off")))
     schedule_ahead: str = field(default="auto", metadata=_opt(
-        "while a window whose slots carry no drafts computes, build and launch its group's "
-        "next one, its input tokens taken from the last window on the device, so the host "
-        "never holds up the GPU: auto (on CUDA, in one process), on (also on the CPU, where "
-        "it gains nothing: tests), off (one window per group at a time). Not with MTP "
-        "drafts or stage processes", choices=("auto", "on", "off")))
+        "while a group's window computes, build and launch its next one, the input tokens "
+        "of its slots without drafts taken from the last window on the device (slots with "
+        "drafts sit it out), so the host works while the GPU does: auto (on CUDA, in one "
+        "process), on (also on the CPU, where it gains nothing: tests), off (one window per "
+        "group at a time). Not with MTP drafts or stage processes",
+        choices=("auto", "on", "off")))
     cuda_graph_max_tokens: int = field(default=2048, metadata=_opt(
         "largest window (tokens) replayed from a CUDA graph; larger ones run eagerly (an "
         "eager window of the default model takes ~25 ms on an H200 whatever its size)"))

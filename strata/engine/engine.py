@@ -3,8 +3,8 @@
 `step()` sends a window for every idle group with work (the scheduler picks them), then
 collects the oldest window's result and commits it; `launch()` is its first half alone.
 The runner is either the stages in this process (ModelRunner) or one process per stage
-(PipelineRunner); both return results in submission order. Tokens in, tokens out: text, chat templates and stop strings belong to
-the caller (strata/llm.py, the server).
+(PipelineRunner); both return results in submission order. Tokens in, tokens out: text,
+chat templates and stop strings belong to the caller (strata/llm.py, the server).
 """
 
 from __future__ import annotations

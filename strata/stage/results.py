@@ -94,8 +94,7 @@ class WindowVerifier:
                    VerifyEntry(sampled, "warm-up", [3], position=1)]
         logits = torch.zeros(5, vocab, dtype=dtype, device=device)
         logits[:, 1] = 1.0  # greedy: d1 = 1 is accepted, d2 = 2 is not
-        decided = self.verifier.decide(logits, entries).cpu()
-        return decided
+        return self.verifier.decide(logits, entries).cpu()
 
     def launch(self, header: WindowHeader, logits: torch.Tensor,
                hidden: torch.Tensor) -> LaunchedWindow:

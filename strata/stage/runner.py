@@ -121,8 +121,8 @@ class ModelRunner:
             return decided if decided.shape[0] == n else decided[:n]
         device = decided.device
         ids = header.token_ids.to(device, non_blocking=True, copy=True)
-        rows = torch.tensor(header.carry_rows, dtype=torch.long).to(device, non_blocking=True)
-        src = torch.tensor(header.carry_from, dtype=torch.long).to(device, non_blocking=True)
+        rows, src = torch.tensor([header.carry_rows, header.carry_from]).to(device,
+                                                                           non_blocking=True)
         ids[rows] = decided[src]
         return ids
 
