@@ -156,7 +156,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     run(bench_config(args.arm, args.url, args.name, args.api_key, args.workloads,
                      edit_file=args.edit_file, users=args.users, max_tokens=args.max_tokens,
                      timeout=args.timeout, start_timeout=args.start_timeout, out=args.out,
-                     record=args.record, plot=args.plot))
+                     record=args.record, plot=args.plot, seed=args.seed))
     return 0
 
 
@@ -185,6 +185,9 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record", action="store_true",
                         help="append a summary line to benchmarks/results.jsonl")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the numbers (needs matplotlib)")
+    parser.add_argument("--seed", type=int, help="keys the prompts' tags: every arm of a run "
+                        "sends the same prompts, so arms compare on the same text (default: "
+                        "drawn per run and printed; give it to repeat a run's prompts)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -112,6 +112,48 @@ def test_stage_busy_table_agrees_with_json(run):
                 assert 0 < stage <= 1.05 and 0 < scheduler < 1
 
 
+class FakeClient:
+    """Records each request's user message; answers with one chunk and its usage."""
+
+    def __init__(self):
+        self.texts: list[str] = []
+        self.chat = self.completions = self
+
+    def create(self, messages, **_):
+        from types import SimpleNamespace as NS
+        self.texts.append(messages[0]["content"])
+        usage = NS(completion_tokens=1, model_extra={})
+        return [NS(choices=[NS(delta=NS(content="x"))], usage=None),
+                NS(choices=[], usage=usage)]
+
+
+def test_every_arm_of_a_run_sends_the_same_prompts_and_no_prompt_repeats():
+    from strata.bench.client import concurrent, solo
+
+    def sent(seed: int) -> list[str]:
+        client = FakeClient()
+        for name in ("edit", "prose"):
+            solo(client, "m", name, "small", 4, seed)
+            concurrent(client, "m", name, "small", 4, 3, seed)
+        return client.texts
+
+    first = sent(7)
+    assert len(first) == 10 and len({t.split("]")[0] for t in first}) == 10  # fresh tags
+    assert sorted(sent(7)) == sorted(first)  # another arm of the run (threads reorder)
+    assert not set(sent(8)) & set(first)     # another run
+
+
+def test_the_runs_seed_is_recorded_and_paired_arms_answer_alike(run):
+    result, raw, _ = run
+    seed = raw["settings"]["seed"]
+    assert isinstance(seed, int) and f"seed={seed}" in result.stdout
+    off, on = raw["arms"]
+    for name in ("edit", "prose"):  # greedy, the same prompts: the same answers' lengths
+        for part in ("solo", "concurrent"):
+            assert sorted(r["completion_tokens"] for r in off["workloads"][name][part]["requests"]) \
+                == sorted(r["completion_tokens"] for r in on["workloads"][name][part]["requests"])
+
+
 def test_busy_seconds_reads_the_servers_counters(monkeypatch):
     from strata.bench import stages
     from strata.server.metrics import Metrics
@@ -154,6 +196,7 @@ def test_plot_without_matplotlib_fails_before_serving(tmp_path):
     (["--arm", "a=--port 9000"], "--port"),
     (["--arm", "a=", "--arm", "a=--spec 0"], "differ"),
     (["--arm", "a=", "--users", "0"], "--users"),
+    (["--arm", "a=", "--seed", "-1"], "--seed must be >= 0"),
     (["--url", "127.0.0.1:8000"], "http"),
 ])
 def test_bad_flags_one_line_exit_2(tmp_path, args, needle):

@@ -7,7 +7,7 @@ chunk): the first token belongs to the prefill, as in the server's log line."""
 
 from __future__ import annotations
 
-import secrets
+import hashlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,9 +16,12 @@ from strata.bench.workloads import workload
 from strata.errors import StrataError
 
 
-def prompt(name: str, edit_file: str) -> str:
-    """The workload's user message behind a fresh random tag: no prefix is ever reused."""
-    return f"[{secrets.token_hex(4)}] " + workload(name, edit_file)
+def prompt(name: str, edit_file: str, key: str) -> str:
+    """The workload's user message behind a tag derived from `key`: a run's keys differ
+    per request, so no prefix is reused within an arm, and every arm of the run gets the
+    same keys, so arms are compared on the same prompts (and, greedy, the same answers)."""
+    tag = hashlib.sha256(key.encode()).hexdigest()[:8]
+    return f"[{tag}] " + workload(name, edit_file)
 
 
 def measure(client, model: str, text: str, max_tokens: int) -> dict:
@@ -67,18 +70,19 @@ def draft_totals(requests: list[dict]) -> dict | None:
             "simulated": any(d.get("simulated", False) for d in stats)}
 
 
-def solo(client, model: str, name: str, edit_file: str, max_tokens: int) -> dict:
+def solo(client, model: str, name: str, edit_file: str, max_tokens: int, seed: int) -> dict:
     """1 user: two sequential requests; the mean of their decode rates."""
-    requests = [measure(client, model, prompt(name, edit_file), max_tokens) for _ in range(2)]
+    requests = [measure(client, model, prompt(name, edit_file, f"{seed}:{name}:solo:{i}"),
+                        max_tokens) for i in range(2)]
     return {"requests": requests, "decode_tok_s": mean([r["decode_tok_s"] for r in requests]),
             "drafts": draft_totals(requests)}
 
 
 def concurrent(client, model: str, name: str, edit_file: str, max_tokens: int,
-               users: int) -> dict:
+               users: int, seed: int) -> dict:
     """N users: N requests at once; total completion tokens over the batch's wall time,
     and each stream's own decode rate."""
-    texts = [prompt(name, edit_file) for _ in range(users)]
+    texts = [prompt(name, edit_file, f"{seed}:{name}:users{users}:{i}") for i in range(users)]
     ready = threading.Barrier(users + 1)
 
     def one(text: str) -> dict:

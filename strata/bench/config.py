@@ -73,6 +73,7 @@ class BenchConfig:
     out: str = "bench-results.json"
     record: bool = False
     plot: str | None = None
+    seed: int | None = None       # keys the prompts' tags; None: drawn per run
 
     def __post_init__(self) -> None:
         if not self.arms:
@@ -96,6 +97,8 @@ class BenchConfig:
                               "decode rate needs a first and a last token")
         if self.timeout <= 0 or self.start_timeout <= 0:
             raise StrataError("--timeout and --start-timeout must be positive seconds")
+        if self.seed is not None and self.seed < 0:
+            raise StrataError(f"--seed must be >= 0 (got {self.seed})")
         if self.plot is not None and not self.plot.lower().endswith(".png"):
             raise StrataError(f"--plot {self.plot}: give a file name ending in .png")
 

@@ -61,8 +61,9 @@ def openai_client(base_url: str, api_key: str | None, timeout: float):
 
 
 def measure_arm(base_url: str, api_key: str | None, config: BenchConfig, progress: Progress,
-                where: str) -> tuple[str, dict]:
-    """The served model's name and {workload: {"solo": ..., "concurrent": ...}}."""
+                where: str, seed: int) -> tuple[str, dict]:
+    """The served model's name and {workload: {"solo": ..., "concurrent": ...}}; `seed`
+    keys the prompts' tags (the same for every arm of a run)."""
     # NOTE: closing the client on the way out (an error, Ctrl-C) drops any streams still
     # running in other threads, so the server aborts them and stops at once.
     with openai_client(base_url, api_key, config.timeout) as client:
@@ -77,34 +78,34 @@ def measure_arm(base_url: str, api_key: str | None, config: BenchConfig, progres
             progress(f"{where}: {name}, 1 user (2 requests of {config.max_tokens} tokens)")
             with BusyMeter(base_url) as meter:
                 result = {"solo": solo(client, model, name, config.edit_file,
-                                       config.max_tokens)}
+                                       config.max_tokens, seed)}
             result["solo"]["stage_busy"] = meter.fractions
             if config.users > 1:
                 progress(f"{where}: {name}, {config.users} users "
                          f"(1 user: {rate(result['solo']['decode_tok_s'])} tok/s)")
                 with BusyMeter(base_url) as meter:
                     result["concurrent"] = concurrent(client, model, name, config.edit_file,
-                                                      config.max_tokens, config.users)
+                                                      config.max_tokens, config.users, seed)
                 result["concurrent"]["stage_busy"] = meter.fractions
             out[name] = result
         return model, out
 
 
 def run_arm(arm: Arm, index: int, config: BenchConfig, log_dir: Path | None,
-            progress: Progress) -> dict:
+            progress: Progress, seed: int) -> dict:
     where = f"[{index + 1}/{len(config.arms)}] {arm.name}"
     record = {"name": arm.name, "flags": arm.flags, "url": arm.url, "server_log": None}
     log = None
     try:
         if arm.url is not None:
-            model, workloads = measure_arm(arm.url, arm.api_key, config, progress, where)
+            model, workloads = measure_arm(arm.url, arm.api_key, config, progress, where, seed)
         else:
             log = log_dir / f"arm{index + 1}.log"
             record["server_log"] = str(log)
             progress(f"{where}: starting strata serve {arm.flags}".rstrip())
             with served(arm.argv, log, config.start_timeout) as base:
                 model, workloads = measure_arm(base + "/v1", arm.serve_api_key(), config,
-                                               progress, where)
+                                               progress, where, seed)
     except StrataError as e:
         raise StrataError(f"arm '{arm.name}': {e}") from None
     except (openai_module().OpenAIError, httpx.HTTPError) as e:  # connection, timeout, status
@@ -136,7 +137,7 @@ def print_results(results: dict) -> None:
     s = results["settings"]
     print(f"settings: workloads={','.join(s['workloads'])} edit_file={s['edit_file']} "
           f"users={s['users']} max_tokens={s['max_tokens']} temperature=0 "
-          "reasoning_effort=none")
+          f"reasoning_effort=none seed={s.get('seed')}")
     for arm in results["arms"]:
         where = f"strata serve {arm['flags']}".rstrip() if arm["url"] is None else arm["url"]
         print(f"arm {arm['name']}: {where} (model {arm['model']})")
@@ -181,18 +182,20 @@ def run(config: BenchConfig) -> dict:
     check_outputs(config)
     started = any(arm.url is None for arm in config.arms)
     log_dir = Path(tempfile.mkdtemp(prefix="strata-bench-")) if started else None
+    seed = config.seed if config.seed is not None else secrets.randbelow(2 ** 32)
     results = {"benchmark": "strata bench", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                "machine": machine(), "commit": commit(),
                "log_dir": str(log_dir) if started else None,
                "settings": {"workloads": list(config.workloads), "edit_file": config.edit_file,
                             "users": config.users, "max_tokens": config.max_tokens,
-                            "timeout_s": config.timeout, "warmup_tokens": WARMUP_TOKENS},
+                            "timeout_s": config.timeout, "warmup_tokens": WARMUP_TOKENS,
+                            "seed": seed},
                "arms": []}
     progress = Progress()
     with sigterm_unwinds():
         try:
             for i, arm in enumerate(config.arms):
-                results["arms"].append(run_arm(arm, i, config, log_dir, progress))
+                results["arms"].append(run_arm(arm, i, config, log_dir, progress, seed))
         finally:
             progress.done()
     Path(config.out).write_text(json.dumps(results, indent=1) + "\n")
