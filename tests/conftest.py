@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,24 @@ def prompts(n: int, vocab: int, seed: int = 0, low: int = 3, high: int = 40) -> 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high, (n,), generator=g).tolist()
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+SM86_SHARED = 99 * 1024  # the most shared memory a block may use on an RTX 3090
+
+
+def offline_compiled(code: str, cache: Path) -> list[int]:
+    """Run `code` in a fresh process where triton compiles for a GPU without one (the
+    interpreter is off there; it cannot run where the interpreter was chosen) and return
+    the integers it prints (the compiled kernels' shared memory). Skips where this triton
+    cannot compile offline."""
+    pytest.importorskip("triton.backends.nvidia")
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"this triton cannot compile offline: {e}")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(cache)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [int(n) for n in done.stdout.split()]

@@ -7,14 +7,12 @@ window's shape only, and `copy_meta` refills it. The kernel also compiles for SM
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import prompts
+from conftest import SM86_SHARED, offline_compiled, prompts
 
 from strata.attention import AttentionBatch, copy_meta, get_backend
 from strata.config import EngineConfig
@@ -245,18 +243,13 @@ def test_the_kernel_compiles_for_rtx3090_and_h200(tmp_path):
     """The interpreter runs what the GPU compiler may reject (types, layouts, shared
     memory): compile the shapes we serve for SM86 and SM90, without a GPU. In a fresh
     process, since the compiler cannot run where the interpreter is chosen."""
-    pytest.importorskip("triton.backends.nvidia")
     code = ("import torch; from test_attention_triton import SERVED, compile_offline\n"
             "for arch in (86, 90):\n"
             "    print(*[compile_offline(arch, d, g, getattr(torch, q), getattr(torch, kv), s)"
             ".metadata.shared for d, g, q, kv in SERVED for s in (1, 16)])")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
-    shared = [int(n) for line in done.stdout.split() for n in line.split()]
+    shared = offline_compiled(code, tmp_path)
     assert len(shared) == 2 * 2 * len(SERVED)
-    assert max(shared) <= 99 * 1024  # SM86's most shared memory per block
+    assert max(shared) <= SM86_SHARED
 
 
 def test_importing_strata_does_not_import_triton():

@@ -1,0 +1,331 @@
+"""Triton kernels over GGUF-quantized weights kept as their file stores them (formats.py):
+`gemv` (y = x @ W^T for a window of 1..32 tokens: the decode and verify path) and
+`dequantize` (W dense, for the prompt-chunk path's GEMM). Both read only the block bytes.
+
+Design. A row of W is a run of blocks; each format's row is walked in *groups* of values,
+chosen so that a group's quants split in two contiguous runs of C values (C = 16 or 32),
+each run with one scale and one offset per row (value = scale * q + offset):
+
+    Q8_0, Q4_0, Q4_1   one 32-value block; its values 0..15 and 16..31 (C = 16)
+    Q4_K, Q5_K         32 bytes of nibbles = sub-blocks 2c (low) and 2c+1 (high) (C = 32)
+    Q6_K               16 bytes of low nibbles: two 16-value runs 64 apart (C = 16)
+
+so a group loads its quant bytes as a [BLOCK_N, C] tile of contiguous bytes per row, and
+its scales as per-row vectors (f16 fields rebuilt from two bytes and bitcast). The quants
+stay small integers (exact in bf16/fp16), so the tokens multiply them directly and the
+scale and offset apply to the per-row sums: sum_k x_k (s q_k + o) = s (x . q) + o sum(x).
+
+`gemv`: program (i, j) owns output rows i*BLOCK_N.. (a row tile) for all the window's
+tokens (padded to a power of two, T_PAD) and walks split j of the rows' groups, so the
+weights are read once for all tokens. Windows of up to REDUCE_TOKENS tokens multiply on
+the CUDA cores (broadcast and sum); larger ones with tl.dot (T_PAD >= 16). The number of
+splits follows the weight's and window's shapes only (enough programs to fill a GPU):
+with one split the program stores y in x's dtype, with more, fp32 partials that one sum
+adds up. `dequantize`: program (i, g) writes group g of row tile i.
+
+NOTE: nothing here syncs with the host or allocates by data (a launch can be captured in
+a CUDA graph); tile sizes are fixed (no autotuning: a fresh machine compiles in seconds);
+only long-stable triton.language is used (load/store/dot/trans/sum/where/bitcast casts),
+and the kernels compile for SM86 and SM90 (tests/test_quant_triton.py).
+"""
+
+# NOTE: no `from __future__ import annotations` here: triton reads the kernels'
+# `tl.constexpr` annotations as objects.
+import torch
+import triton
+import triton.language as tl
+
+from strata.quant.formats import FORMATS
+
+BLOCK_N = 64          # output rows per program
+REDUCE_TOKENS = 4     # windows of up to this many tokens skip tl.dot
+MAX_TOKENS = 32       # gemv's largest window
+TARGET_PROGRAMS = 256  # gemv splits a row's groups until about this many programs run
+MIN_SPLIT_GROUPS = 4  # ... but gives every split at least this many groups
+MAX_SPLITS = 16
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Per format: (values per group, C = quants per run).
+GROUPS = {"Q8_0": (32, 16), "Q4_0": (32, 16), "Q4_1": (32, 16),
+          "Q4_K": (64, 32), "Q5_K": (64, 32), "Q6_K": (32, 16)}
+
+
+@triton.jit
+def _f16(ptr, mask):
+    """The f16 fields at `ptr` (two little-endian bytes each) as fp32; 0 where masked."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _k_scale_min(scales_ptr, sub, mask):
+    """Q4_K/Q5_K: the 6-bit scale and min of sub-block `sub` (0..7) from the 12 packed
+    bytes at `scales_ptr` (a per-row pointer vector), as fp32."""
+    # Bytes 0..3: low 6 bits of scales 0..3; 4..7: of mins 0..3; 8..11: low 4 bits of
+    # scales (and high 4: of mins) 4..7, whose top two bits are the top bits of 0..7.
+    i = sub % 4
+    a = tl.load(scales_ptr + i, mask=mask, other=0).to(tl.int32)
+    b = tl.load(scales_ptr + 4 + i, mask=mask, other=0).to(tl.int32)
+    c = tl.load(scales_ptr + 8 + i, mask=mask, other=0).to(tl.int32)
+    scale = tl.where(sub < 4, a & 63, (c & 15) | ((a >> 6) << 4))
+    mn = tl.where(sub < 4, b & 63, (c >> 4) | ((b >> 6) << 4))
+    return scale.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _decode_group(blocks_ptr, row_start, row_ok, g, FORMAT: tl.constexpr, C: tl.constexpr):
+    """Group `g` of the rows starting at byte offsets `row_start` [BLOCK_N] (int64):
+    (q_lo, q_hi) [BLOCK_N, C] fp32 integer quants, their per-row (scale_lo, scale_hi,
+    off_lo, off_hi) [BLOCK_N], and the columns (k_lo, k_hi) where the two runs start.
+    Value k_lo + j of a row is scale_lo * q_lo[:, j] + off_lo (likewise hi)."""
+    j = tl.arange(0, C)
+    ok = row_ok[:, None]
+    if FORMAT == "Q8_0":  # d f16, 32 x int8
+        base = row_start + g * 34
+        d = _f16(blocks_ptr + base, row_ok)
+        q_lo = tl.load(blocks_ptr + base[:, None] + 2 + j[None, :], mask=ok, other=0)
+        q_hi = tl.load(blocks_ptr + base[:, None] + 18 + j[None, :], mask=ok, other=0)
+        q_lo = q_lo.to(tl.int8, bitcast=True).to(tl.float32)
+        q_hi = q_hi.to(tl.int8, bitcast=True).to(tl.float32)
+        s_lo = d
+        s_hi = d
+        o_lo = tl.zeros_like(d)
+        o_hi = o_lo
+        k_lo = g * 32
+        k_hi = k_lo + 16
+    elif FORMAT == "Q4_0" or FORMAT == "Q4_1":  # d f16, [m f16,] 16 bytes: value j | j+16
+        if FORMAT == "Q4_0":  # value d * (q - 8)
+            base = row_start + g * 18
+            d = _f16(blocks_ptr + base, row_ok)
+            off = tl.zeros_like(d)
+            qs = blocks_ptr + base[:, None] + 2 + j[None, :]
+            zero = 8
+        else:  # value d * q + m
+            base = row_start + g * 20
+            d = _f16(blocks_ptr + base, row_ok)
+            off = _f16(blocks_ptr + base + 2, row_ok)
+            qs = blocks_ptr + base[:, None] + 4 + j[None, :]
+            zero = 0
+        byte = tl.load(qs, mask=ok, other=0).to(tl.int32)
+        q_lo = ((byte & 15) - zero).to(tl.float32)
+        q_hi = ((byte >> 4) - zero).to(tl.float32)
+        s_lo = d
+        s_hi = d
+        o_lo = off
+        o_hi = off
+        k_lo = g * 32
+        k_hi = k_lo + 16
+    elif FORMAT == "Q4_K" or FORMAT == "Q5_K":
+        # d, dmin f16, 12 bytes of scales/mins, [Q5_K: 32 bytes of 5th bits,] 128 bytes of
+        # nibbles: byte c*32 + j holds value j of sub-block 2c (low) and 2c+1 (high).
+        block = g // 4
+        chunk = g % 4
+        if FORMAT == "Q4_K":
+            base = row_start + block * 144
+            qs = blocks_ptr + base[:, None] + 16 + chunk * 32 + j[None, :]
+        else:
+            base = row_start + block * 176
+            qs = blocks_ptr + base[:, None] + 48 + chunk * 32 + j[None, :]
+        d = _f16(blocks_ptr + base, row_ok)
+        dmin = _f16(blocks_ptr + base + 2, row_ok)
+        sc_lo, mn_lo = _k_scale_min(blocks_ptr + base + 4, 2 * chunk, row_ok)
+        sc_hi, mn_hi = _k_scale_min(blocks_ptr + base + 4, 2 * chunk + 1, row_ok)
+        byte = tl.load(qs, mask=ok, other=0).to(tl.int32)
+        lo = byte & 15
+        hi = byte >> 4
+        if FORMAT == "Q5_K":  # bit b of byte 16 + j: the 5th bit of value j, sub-block b
+            qh = tl.load(blocks_ptr + base[:, None] + 16 + j[None, :], mask=ok,
+                         other=0).to(tl.int32)
+            lo = lo | (((qh >> (2 * chunk)) & 1) << 4)
+            hi = hi | (((qh >> (2 * chunk + 1)) & 1) << 4)
+        q_lo = lo.to(tl.float32)
+        q_hi = hi.to(tl.float32)
+        s_lo = d * sc_lo
+        s_hi = d * sc_hi
+        o_lo = -(dmin * mn_lo)
+        o_hi = -(dmin * mn_hi)
+        k_lo = g * 64
+        k_hi = k_lo + 32
+    else:  # Q6_K
+        # 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, d f16. Half h of a
+        # block (128 values): low-nibble byte h*64 + b (b < 64) holds values b (low) and
+        # 64 + b (high); their top bits are in byte 128 + h*32 + b % 32, at bits
+        # 2 * (b // 32) and 2 * (2 + b // 32). A group: 16 such bytes, b0 = 16 * (g % 4).
+        block = g // 8
+        half = (g // 4) % 2
+        b0 = (g % 4) * 16
+        base = row_start + block * 210
+        ql = tl.load(blocks_ptr + base[:, None] + half * 64 + b0 + j[None, :], mask=ok,
+                     other=0).to(tl.int32)
+        qh = tl.load(blocks_ptr + base[:, None] + 128 + half * 32 + b0 % 32 + j[None, :],
+                     mask=ok, other=0).to(tl.int32)
+        q_lo = ((ql & 15) | (((qh >> (2 * (b0 // 32))) & 3) << 4)) - 32
+        q_hi = ((ql >> 4) | (((qh >> (2 * (2 + b0 // 32))) & 3) << 4)) - 32
+        q_lo = q_lo.to(tl.float32)
+        q_hi = q_hi.to(tl.float32)
+        first = half * 128 + b0  # the low run's first value in its block
+        d = _f16(blocks_ptr + base + 208, row_ok)
+        sc_lo = tl.load(blocks_ptr + base + 192 + first // 16, mask=row_ok, other=0)
+        sc_hi = tl.load(blocks_ptr + base + 192 + (first + 64) // 16, mask=row_ok,
+                        other=0)
+        s_lo = d * sc_lo.to(tl.int8, bitcast=True).to(tl.float32)
+        s_hi = d * sc_hi.to(tl.int8, bitcast=True).to(tl.float32)
+        o_lo = tl.zeros_like(d)
+        o_hi = o_lo
+        k_lo = block * 256 + first
+        k_hi = k_lo + 64
+    return q_lo, q_hi, s_lo, s_hi, o_lo, o_hi, k_lo, k_hi
+
+
+@triton.jit
+def _accumulate(acc, x_ptr, stride_xt, num_tokens, k0, q, scale, offset,
+                C: tl.constexpr, T_PAD: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc [T_PAD, BLOCK_N] + the window's tokens' columns k0.. k0+C times one run of
+    quants q [BLOCK_N, C] with its per-row scale and offset."""
+    t = tl.arange(0, T_PAD)
+    x = tl.load(x_ptr + t[:, None] * stride_xt + k0 + tl.arange(0, C)[None, :],
+                mask=(t < num_tokens)[:, None], other=0.0)                  # [T_PAD, C]
+    if USE_DOT:
+        if DOT_FP32:
+            dots = tl.dot(x.to(tl.float32), tl.trans(q), input_precision="ieee")
+        else:  # the quants are small integers: exact in x's dtype
+            dots = tl.dot(x, tl.trans(q.to(x.dtype)))
+    else:
+        dots = tl.sum(x.to(tl.float32)[:, None, :] * q[None, :, :], axis=2)  # [T_PAD, BLOCK_N]
+    acc += dots * scale[None, :]
+    if HAS_OFFSET:
+        acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * offset[None, :]
+    return acc
+
+
+# NOTE: the window's size changes with every call: not specialised on.
+@triton.jit(do_not_specialize=["num_tokens"])
+def _gemv(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uint8, [S, T, N]
+          num_tokens, num_rows, stride_xt, stride_row, num_groups,
+          FORMAT: tl.constexpr, C: tl.constexpr, T_PAD: tl.constexpr,
+          BLOCK_N: tl.constexpr, HAS_OFFSET: tl.constexpr, USE_DOT: tl.constexpr,
+          DOT_FP32: tl.constexpr):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < num_rows
+    row_start = rows.to(tl.int64) * stride_row
+    per_split = tl.cdiv(num_groups, tl.num_programs(1))
+    lo = split * per_split
+    hi = tl.minimum(num_groups, lo + per_split)
+    acc = tl.zeros([T_PAD, BLOCK_N], dtype=tl.float32)
+    for g in range(lo, hi):
+        q_lo, q_hi, s_lo, s_hi, o_lo, o_hi, k_lo, k_hi = _decode_group(
+            blocks_ptr, row_start, row_ok, g, FORMAT, C)
+        acc = _accumulate(acc, x_ptr, stride_xt, num_tokens, k_lo, q_lo, s_lo, o_lo,
+                          C, T_PAD, HAS_OFFSET, USE_DOT, DOT_FP32)
+        acc = _accumulate(acc, x_ptr, stride_xt, num_tokens, k_hi, q_hi, s_hi, o_hi,
+                          C, T_PAD, HAS_OFFSET, USE_DOT, DOT_FP32)
+    t = tl.arange(0, T_PAD)
+    out = out_ptr + (split * num_tokens + t[:, None]).to(tl.int64) * num_rows + rows[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty),
+             mask=(t < num_tokens)[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _dequantize(blocks_ptr, out_ptr,                # [N, row bytes] uint8, [N, K]
+                num_rows, stride_row, stride_out,
+                FORMAT: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(1)
+    row_ok = rows < num_rows
+    q_lo, q_hi, s_lo, s_hi, o_lo, o_hi, k_lo, k_hi = _decode_group(
+        blocks_ptr, rows.to(tl.int64) * stride_row, row_ok, g, FORMAT, C)
+    out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + tl.arange(0, C)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out + k_lo, (q_lo * s_lo[:, None] + o_lo[:, None]).to(dtype),
+             mask=row_ok[:, None])
+    tl.store(out + k_hi, (q_hi * s_hi[:, None] + o_hi[:, None]).to(dtype),
+             mask=row_ok[:, None])
+
+
+def _check_blocks(blocks: torch.Tensor, qtype: str) -> tuple[int, int]:
+    """(rows, values per row) of a quantized weight, or a ValueError naming the problem."""
+    if qtype not in FORMATS:
+        raise ValueError(f"unsupported quantization type {qtype!r}; supported: "
+                         f"{', '.join(FORMATS)}")
+    fmt = FORMATS[qtype]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2:
+        raise ValueError(f"{qtype} blocks must be a 2-D uint8 tensor [rows, row bytes], "
+                         f"not {blocks.dtype} of shape {tuple(blocks.shape)}")
+    if blocks.shape[1] == 0 or blocks.shape[1] % fmt.block_bytes:
+        raise ValueError(f"{qtype}: a row of {blocks.shape[1]} bytes is not a whole number "
+                         f"of {fmt.block_bytes}-byte blocks")
+    if blocks.stride(1) != 1:
+        raise ValueError(f"{qtype} blocks must be contiguous along a row")
+    return blocks.shape[0], blocks.shape[1] // fmt.block_bytes * fmt.block_values
+
+
+def gemv_constants(tokens: int, dtype: torch.dtype, qtype: str,
+                   device_type: str = "cuda") -> tuple[dict, int]:
+    """`_gemv`'s constexprs and num_warps for a window of `tokens` tokens of `dtype`."""
+    use_dot = tokens > REDUCE_TOKENS
+    # NOTE: triton's interpreter (CPU tensors) multiplies bf16 tl.dot operands as their
+    # raw bits (triton 3.9): there the dot runs in fp32.
+    dot_fp32 = dtype == torch.float32 or (dtype == torch.bfloat16 and device_type != "cuda")
+    constants = dict(FORMAT=qtype, C=GROUPS[qtype][1],
+                     T_PAD=max(16, triton.next_power_of_2(tokens)) if use_dot
+                     else triton.next_power_of_2(tokens),
+                     BLOCK_N=BLOCK_N, HAS_OFFSET=qtype in ("Q4_1", "Q4_K", "Q5_K"),
+                     USE_DOT=use_dot, DOT_FP32=dot_fp32)
+    return constants, 4
+
+
+def gemv_splits(rows: int, groups: int) -> int:
+    """Splits of each row tile's groups: by the weight's shape only."""
+    tiles = triton.cdiv(rows, BLOCK_N)
+    return max(1, min(MAX_SPLITS, triton.cdiv(TARGET_PROGRAMS, tiles),
+                      groups // MIN_SPLIT_GROUPS))
+
+
+def gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """y = x @ W^T for x [T, K] (1 <= T <= 32; float32, bfloat16 or float16) and W [N, K]
+    quantized as `blocks` [N, row bytes] of `qtype` -> [T, N] in x's dtype (fp32 sums)."""
+    rows, values = _check_blocks(blocks, qtype)
+    if x.dim() != 2 or x.dtype not in DTYPES:
+        raise ValueError(f"x must be a 2-D float32, bfloat16 or float16 tensor [tokens, "
+                         f"{values}], not {x.dtype} of shape {tuple(x.shape)}")
+    tokens = x.shape[0]
+    if not 1 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"gemv takes 1 to {MAX_TOKENS} tokens, not {tokens}")
+    if x.shape[1] != values:
+        raise ValueError(f"x has {x.shape[1]} features but the {qtype} weight's rows hold "
+                         f"{values} values")
+    if x.device != blocks.device:
+        raise ValueError(f"x is on {x.device} but the weight on {blocks.device}")
+    x = x.contiguous()
+    groups = values // GROUPS[qtype][0]
+    splits = gemv_splits(rows, groups)
+    constants, num_warps = gemv_constants(tokens, x.dtype, qtype, x.device.type)
+    out = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    partial = out if splits == 1 else torch.empty(splits, tokens, rows, dtype=torch.float32,
+                                                  device=x.device)
+    _gemv[(triton.cdiv(rows, BLOCK_N), splits)](
+        x, blocks, partial, tokens, rows, x.stride(0), blocks.stride(0), groups,
+        **constants, num_warps=num_warps, num_stages=2)
+    if splits > 1:
+        out.copy_(partial.sum(dim=0))
+    return out
+
+
+def dequantize(blocks: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] in `dtype` (float32, bfloat16 or float16) from `blocks` [N, row bytes] of
+    `qtype`, computed in fp32."""
+    rows, values = _check_blocks(blocks, qtype)
+    if dtype not in DTYPES:
+        raise ValueError(f"dequantize writes float32, bfloat16 or float16, not {dtype}")
+    out = torch.empty(rows, values, dtype=dtype, device=blocks.device)
+    if rows:
+        _dequantize[(triton.cdiv(rows, BLOCK_N), values // GROUPS[qtype][0])](
+            blocks, out, rows, blocks.stride(0), out.stride(0), FORMAT=qtype,
+            C=GROUPS[qtype][1], BLOCK_N=BLOCK_N, num_warps=4, num_stages=2)
+    return out
