@@ -57,6 +57,14 @@ class EngineConfig:
         "capture each CUDA stage's forward as graphs per window size and replay them: auto "
         "(where the attention backend and layers allow), on (fail where they do not), off",
         choices=("auto", "on", "off")))
+    quantized_weights: str = field(default="off", metadata=_opt(
+        "on: GGUF projection weights stored as Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K stay in "
+        "their blocks on the device (the file's bytes) and the matmul dequantizes inside its "
+        "Triton kernel (a CPU stage dequantizes per window in PyTorch: slow, for tests); "
+        "off: dequantized to --dtype at load, which is faster on the GPU today (the kernels "
+        "are correct but not yet at bandwidth: benchmarks/quant_speed.py) and takes ~2-4x "
+        "the memory. Embeddings, norms, MoE experts and other types are always dequantized",
+        choices=("on", "off")))
     compile: str = field(default="on", metadata=_opt(
         "on: CUDA stages run RMSNorm, rotary embedding and the SiLU gate as torch.compile'd "
         "fused kernels (compiled once at start-up, in seconds); off: plain PyTorch",
@@ -207,6 +215,11 @@ class EngineConfig:
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         return torch.bfloat16 if self.stage_device(0).type == "cuda" else torch.float32
+
+    def keeps_quantized(self, stage: int) -> bool:
+        """Do stage `stage`'s projections stay in their GGUF blocks (--quantized-weights)?
+        (Per stage, so that a later rule may choose by device and memory.)"""
+        return self.quantized_weights == "on"
 
     def kv_dtype(self) -> torch.dtype:
         return self.torch_dtype() if self.kv == "auto" else DTYPES[self.kv]

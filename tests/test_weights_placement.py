@@ -22,6 +22,7 @@ from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding
 from strata.models.llama import unpermuted_rotary_rows
 from strata.models.registry import get_architecture
+from strata.quant import FORMATS
 from strata.weights.checkpoint import open_checkpoint
 from strata.weights.hf_checkpoint import HFCheckpoint
 from strata.weights.loader import load_module, read_checked
@@ -113,6 +114,51 @@ def test_quantized_blocks_are_dequantized_only_for_the_parameter():
                                           r"config implies \(4, 8\)"):
         load_module(block, FakeCheckpoint(tensors), get_architecture(_llama_config()),
                     device=torch.device("cpu"), dtype=torch.float32)
+
+
+class Wide(nn.Module):
+    def __init__(self, linear: LinearFactory):
+        super().__init__()
+        self.proj = linear(64, 4, bias=True)
+        self.router = linear(64, 3, dtype=torch.float32)
+        self.fused = linear.stacked(64, {"gate_proj": 4, "up_proj": 2})
+        self.mixed = linear.stacked(64, {"q_proj": 2, "k_proj": 2})
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_a_quantized_stage_keeps_projections_in_their_blocks(kind):
+    """Projections stored in a supported format stay its raw blocks (stacked parts of one
+    format too); a pinned router, biases and parts of different formats are dense; the
+    projection computes with the dequantized weight."""
+    w = {n: torch.randn(rows, 64, generator=GEN) for n, rows in
+         (("proj", 4), ("gate_proj", 4), ("up_proj", 2), ("q_proj", 2), ("k_proj", 2))}
+    tensors = {f"{n}.weight": quantized(v, kind) for n, v in w.items()}
+    tensors["k_proj.weight"] = quantized(w["k_proj"], "Q8_0" if kind != "Q8_0" else "Q4_0")
+    tensors |= {"proj.bias": StoredTensor.of(torch.randn(4, generator=GEN)),
+                "router.weight": StoredTensor.of(torch.randn(3, 64, generator=GEN))}
+    with torch.device("meta"):
+        block = Wide(LinearFactory(WeightFormat(torch.float32, quantized=True)))
+    stats = load_module(block, FakeCheckpoint(tensors), get_architecture(_llama_config()),
+                        device=torch.device("cpu"), dtype=torch.float32)
+    fmt = FORMATS[kind]
+    assert block.proj.weight.dtype == torch.uint8 and block.proj.weight.qtype == kind
+    assert block.proj.weight.shape == (4, fmt.row_bytes(64))
+    assert block.fused.weight.dtype == torch.uint8 and block.fused.weight.shape[0] == 6
+    assert block.mixed.weight.dtype == torch.float32  # q and k differ: dense
+    assert block.router.weight.dtype == block.proj.bias.dtype == torch.float32
+    assert stats.quantized == {kind: 2} and "2 weights" in stats.describe()
+    x = torch.randn(3, 64, generator=GEN)
+    dense = {n: t.dense(torch.float32) for n, t in tensors.items()}
+    torch.testing.assert_close(block.proj(x), x @ dense["proj.weight"].T + dense["proj.bias"],
+                               rtol=1e-4, atol=1e-4)
+    fused = torch.cat([dense["gate_proj.weight"], dense["up_proj.weight"]])
+    torch.testing.assert_close(block.fused(x), x @ fused.T, rtol=1e-4, atol=1e-4)
+    with torch.device("meta"):
+        plain = Wide(LinearFactory(WeightFormat(torch.float32)))
+    stats = load_module(plain, FakeCheckpoint(tensors), get_architecture(_llama_config()),
+                        device=torch.device("cpu"), dtype=torch.float32)
+    assert {p.dtype for p in plain.parameters()} == {torch.float32} and not stats.quantized
+    assert stats.describe().startswith("no weight stays quantized")
 
 
 def test_engine_weights_follow_dtype(tiny_models):

@@ -6,8 +6,9 @@ the stage's weight format. Every parameter may carry a ParamSpec saying how the 
 parameter is materialised where and how its spec says, one at a time — no module is built
 dense and cast as a whole. Today a spec names a dtype (the stage's, or float32 for a
 router that must stay exact) and, for a stacked projection (q, k and v as one `qkv_proj`),
-the checkpoint's projections whose rows it stacks; quantized blocks and host-RAM placement
-are the next kinds.
+the checkpoint's projections whose rows it stacks; and whether a projection's weight may
+stay in its file's quantized blocks (strata/quant: the matmul then dequantizes inside its
+kernel). Host-RAM placement is the next kind.
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata import quant
+
 
 @dataclass(frozen=True)
 class ParamSpec:
     dtype: torch.dtype | None = None  # None: the stage's weight dtype (--dtype)
     # (sibling projection, rows) whose checkpoint tensors this parameter stacks, in order.
     parts: tuple[tuple[str, int], ...] = ()
+    # A projection's weight stored in a block format of strata/quant stays in its blocks.
+    quantized: bool = False
 
 
 STAGE_DTYPE = ParamSpec()
@@ -42,10 +47,13 @@ def with_spec(param: nn.Parameter, spec: ParamSpec) -> nn.Parameter:
 class WeightFormat:
     """How a stage keeps its projection weights."""
     dtype: torch.dtype | None = None  # dense weights of this dtype; None: the stage's
+    quantized: bool = False           # weights in a supported block format stay in it
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), with W [out, in] kept as its spec says."""
+    """y = x W^T (+ b), with W [out, in] kept as its spec says: dense, or (the loader
+    decides, from the file) a uint8 tensor of its GGUF blocks whose `qtype` names the
+    format, multiplied by strata/quant's kernels."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, spec: ParamSpec):
         super().__init__()
@@ -55,7 +63,11 @@ class Linear(nn.Module):
                      else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return F.linear(x, self.weight, self.bias)
+        w = self.weight
+        if w.dtype == torch.uint8:
+            y = quant.matmul(x, w, w.qtype)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, w, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
@@ -69,11 +81,14 @@ class LinearFactory:
 
     def __call__(self, in_features: int, out_features: int, *, bias: bool = False,
                  dtype: torch.dtype | None = None) -> Linear:
-        """`dtype` pins this projection's weights (a router kept in float32)."""
-        return Linear(in_features, out_features, bias, ParamSpec(dtype or self.format.dtype))
+        """`dtype` pins this projection's weights (a router kept in float32, never
+        quantized)."""
+        spec = ParamSpec(dtype or self.format.dtype,
+                         quantized=self.format.quantized and dtype is None)
+        return Linear(in_features, out_features, bias, spec)
 
     def stacked(self, in_features: int, parts: dict[str, int], *, bias: bool = False) -> Linear:
         """One projection whose output rows are those of the checkpoint's projections
         `parts` (name -> rows, in order; siblings of this one): one GEMM instead of several."""
-        spec = ParamSpec(self.format.dtype, tuple(parts.items()))
+        spec = ParamSpec(self.format.dtype, tuple(parts.items()), self.format.quantized)
         return Linear(in_features, sum(parts.values()), bias, spec)

@@ -98,8 +98,10 @@ class Stage:
         """Read this stage's tensors from the checkpoint (shapes checked), each placed on the
         stage's device as its spec says. The MTP head's names are the checkpoint's after
         `mtp.`."""
-        load_module(self.module, checkpoint, self.arch, device=self.device, dtype=self.dtype,
-                    checkpoint_name=lambda name: name.removeprefix("mtp."), progress=progress)
+        stats = load_module(self.module, checkpoint, self.arch, device=self.device,
+                            dtype=self.dtype, progress=progress,
+                            checkpoint_name=lambda name: name.removeprefix("mtp."))
+        log.info("stage %d weights on %s: %s", self.index, self.device, stats.describe())
 
     def capture_graphs(self, config: EngineConfig) -> None:
         """Capture this stage's forward as CUDA graphs (--cuda-graphs) for windows of up
@@ -117,8 +119,9 @@ class Stage:
         shape = WindowShape(config.parallel + 1, size.blocks_per_slot or size.num_blocks,
                             size.padding_block,
                             max_logits=max(256, config.parallel * (1 + drafts)))
-        graphs = StageGraphs(self, bucket_sizes(config.cuda_graph_max_tokens), shape,
-                             self.arch.config.hidden_size)
+        limit = graph_token_limit(self)
+        largest = min(config.cuda_graph_max_tokens, limit or config.cuda_graph_max_tokens)
+        graphs = StageGraphs(self, bucket_sizes(largest), shape, self.arch.config.hidden_size)
         with torch.cuda.device(self.device):
             graphs.capture()
         self.graphs = graphs
@@ -151,9 +154,17 @@ def graphs_unavailable(stage: Stage) -> str | None:
                 "every window; use --attention-backend triton")
     if any(isinstance(c, SlotStateCache) for c in stage.caches):
         return "layers with per-slot state are not captured yet"
-    if not all(getattr(m, "capturable", True) for m in stage.module.modules()):
-        return "this model's MoE layers read expert counts on the host (no fused MoE yet)"
+    if graph_token_limit(stage) == 0:
+        return ("this model's MoE layers read expert counts on the host here (the fused MoE "
+                "path needs triton on a CUDA device)")
     return None
+
+
+def graph_token_limit(stage: Stage) -> int | None:
+    """The largest window any of the stage's modules lets a CUDA graph capture (a MoE layer's
+    fused path: its decode and verify windows; larger ones run eagerly); None: no limit."""
+    limits = [m.capture_limit for m in stage.module.modules() if hasattr(m, "capture_limit")]
+    return min(limits) if limits else None
 
 
 def build_stage(config, model_config, index: int, cache_size: CacheSize,
@@ -162,7 +173,8 @@ def build_stage(config, model_config, index: int, cache_size: CacheSize,
     caches the scheduler's `cache_size` implies."""
     ranges = config.stage_ranges(model_config.num_layers)
     dtype = config.torch_dtype()
-    arch = get_architecture(model_config, LinearFactory(WeightFormat(dtype)))
+    arch = get_architecture(model_config, LinearFactory(
+        WeightFormat(dtype, quantized=config.keeps_quantized(index))))
     return Stage(index, arch, ranges[index], len(ranges), config.stage_device(index), dtype,
                  config.kv_dtype(), cache_size, mtp=mtp,
                  attention_backend=config.attention_backend,

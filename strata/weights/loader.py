@@ -5,13 +5,18 @@ Checkpoint names are Hugging Face's. The loader maps what every architecture sha
 embeddings, stacked experts, projections stacked into one: a spec's `parts`, each read as a
 parameter of its own) and asks the architecture for what is its own (the rows of a GGUF
 tensor in the order its converter wrote them). Shapes are checked against the model config,
-part by part, before anything is copied to the device.
+part by part, before anything is copied to the device. A projection whose spec allows it
+and whose file stores it in a block format of strata/quant is copied as its blocks (a uint8
+tensor with the format's name in `qtype`); everything else is dequantized to its dtype.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -19,6 +24,7 @@ from tqdm import tqdm
 from strata.errors import StrataError
 from strata.layers.linear import STAGE_DTYPE, ParamSpec, spec_of, with_spec
 from strata.models.registry import Architecture
+from strata.quant import FORMATS
 from strata.weights.experts import is_stacked_expert, stacked_experts
 from strata.weights.tensor import StoredTensor
 
@@ -60,23 +66,60 @@ def part_name(name: str, part: str) -> str:
     return f"{parent}.{part}.{attr}" if parent else f"{part}.{attr}"
 
 
+@dataclass
+class LoadStats:
+    """What a load kept in its file's blocks and what it made dense."""
+    quantized: Counter = field(default_factory=Counter)  # format -> tensors kept in it
+    quantized_bytes: int = 0
+    dense_bytes: int = 0
+
+    def describe(self) -> str:
+        formats = ", ".join(f"{n} {t}" for t, n in sorted(self.quantized.items()))
+        kept = (f"{sum(self.quantized.values())} weights ({formats}) stay quantized, "
+                f"{self.quantized_bytes / 2**20:.1f} MiB" if self.quantized
+                else "no weight stays quantized")
+        return f"{kept}; {self.dense_bytes / 2**20:.1f} MiB dense"
+
+
 def load_module(module: nn.Module, checkpoint, arch: Architecture, *, device: torch.device,
                 dtype: torch.dtype, checkpoint_name: Callable[[str], str] = lambda n: n,
-                progress: tqdm | None = None) -> None:
+                progress: tqdm | None = None) -> LoadStats:
     """Materialise every parameter of `module` on `device`: `dtype` unless its spec pins
-    another. `checkpoint_name` maps a parameter's name in the module to the checkpoint's."""
+    another, or its blocks where the spec allows it and the file stores a supported
+    format. `checkpoint_name` maps a parameter's name in the module to the checkpoint's."""
+    stats = LoadStats()
     for name, param in list(module.named_parameters()):
         spec = spec_of(param)
         target = spec.dtype or dtype
+        qtype = None
         if checkpoint.format == "random":
-            value = torch.empty(param.shape, dtype=target, device=device)
-            checkpoint.fill(name, value)
+            value = (checkpoint.blocks(name, tuple(param.shape), device)
+                     if spec.quantized else None)
+            if value is not None:
+                qtype = checkpoint.qtype
+            else:
+                value = torch.empty(param.shape, dtype=target, device=device)
+                checkpoint.fill(name, value)
         else:
             stored = read_checked(arch, checkpoint, checkpoint_name(name), param.shape, spec)
-            value = stored.dense(target).to(device)
-        _replace(module, name, with_spec(nn.Parameter(value, requires_grad=False), spec))
+            if spec.quantized and param.dim() == 2 and stored.type in FORMATS \
+                    and not stored.is_torch:
+                qtype = stored.type
+                value = torch.from_numpy(np.array(stored.data, dtype=np.uint8)).to(device)
+            else:
+                value = stored.dense(target).to(device)
+        loaded = with_spec(nn.Parameter(value, requires_grad=False), spec)
+        size = value.numel() * value.element_size()
+        if qtype is not None:
+            loaded.qtype = qtype  # NOTE: read by Linear.forward
+            stats.quantized[qtype] += 1
+            stats.quantized_bytes += size
+        else:
+            stats.dense_bytes += size
+        _replace(module, name, loaded)
         if progress is not None:
             progress.update(1)
+    return stats
 
 
 def _replace(module: nn.Module, name: str, param: nn.Parameter) -> None:

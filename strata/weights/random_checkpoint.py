@@ -1,9 +1,15 @@
 """Random-weight checkpoints of real model shapes, for speed studies: speed does not
 depend on the values, and a 30B-shaped model is made on the GPU in seconds instead of
-being copied there. Named `random:PRESET` or `random:/path/to/config.json`.
+being copied there. Named `random:PRESET` or `random:/path/to/config.json`, and
+`random:PRESET:QTYPE` (e.g. `random:qwen3-30b-a3b:q4_k`) for one whose projections are
+stored in a GGUF block format of strata/quant, as a quantized file's would be (kept so with
+`--quantized-weights on`; otherwise the projections are dense like any random model's).
 
 Weights are N(0, 0.02) (norm weights 1), drawn directly on each stage's device from a
-seed per parameter name, so every process draws the same model. Such a model has no
+seed per parameter name, so every process draws the same model. Quantized projections are
+random block bytes whose f16 scale fields are set so that the values spread about as much
+(any bytes are a valid block once its scales are finite); a projection whose rows are not
+whole blocks stays dense, as a converter falls back to another type. Such a model has no
 tokenizer: use it with token ids (benchmarks), never for real text.
 """
 
@@ -18,6 +24,12 @@ import torch
 from strata.errors import StrataError
 from strata.models.config import ModelConfig
 from strata.models.registry import resolve_hf_architecture
+from strata.quant.formats import FORMATS
+
+# Per format, the scale fields' values: d, then m or dmin as a multiple of d, chosen so that
+# random quants give values of about N(0, 0.02)'s spread, centred near 0.
+_SCALES = {"Q8_0": (2.7e-4, None), "Q4_0": (4.3e-3, None), "Q4_1": (4.3e-3, -7.5),
+           "Q4_K": (1.0e-4, 7.5), "Q5_K": (5.0e-5, 15.5), "Q6_K": (1.5e-5, None)}
 
 PRESETS: dict[str, dict] = {
     # SmolLM2-135M-Instruct, the embedded default model.
@@ -41,6 +53,13 @@ class RandomCheckpoint:
 
     def __init__(self, spec: str, seed: int = 0):
         self.path = Path(spec)
+        self.qtype = None
+        preset, _, qtype = spec.rpartition(":")
+        if preset in PRESETS:
+            if qtype.upper() not in FORMATS:
+                raise StrataError(f"random:{spec}: {qtype} is not a block format Strata keeps "
+                                  f"quantized ({', '.join(f.lower() for f in FORMATS)})")
+            spec, self.qtype = preset, qtype.upper()
         if spec in PRESETS:
             raw = PRESETS[spec]
         elif Path(spec).is_file():
@@ -63,6 +82,25 @@ class RandomCheckpoint:
             seed = self.seed + zlib.crc32(name.encode()) % 100_003
             gen = torch.Generator(device=param.device).manual_seed(seed)
             param.normal_(0.0, 0.02, generator=gen)
+
+    def blocks(self, name: str, shape: tuple[int, ...],
+               device: torch.device) -> torch.Tensor | None:
+        """Random blocks of this checkpoint's format for projection `name` [out, in]
+        (uint8 [out, row bytes]), or None where it is not quantized (no format, or rows
+        that are not whole blocks)."""
+        fmt = FORMATS.get(self.qtype)
+        if fmt is None or len(shape) != 2 or shape[1] % fmt.block_values:
+            return None
+        out, n = shape[0], shape[1] // fmt.block_values
+        seed = self.seed + zlib.crc32(name.encode()) % 100_003
+        gen = torch.Generator(device=device).manual_seed(seed)
+        raw = torch.randint(0, 256, (out, n, fmt.block_bytes), dtype=torch.uint8,
+                            device=device, generator=gen)
+        d, second = _SCALES[fmt.name]
+        for offset, value in zip(fmt.scales, (d, d * second if second else None)):
+            field = torch.tensor([value], dtype=torch.float16).view(torch.uint8)
+            raw[:, :, offset:offset + 2] = field.to(device)
+        return raw.reshape(out, n * fmt.block_bytes)
 
     def read(self, name: str):
         raise StrataError("a random-weight model has no stored tensors")

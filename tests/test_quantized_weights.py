@@ -1,0 +1,78 @@
+"""--quantized-weights: the default GGUF's projections kept in their Q4_1/Q8_0 blocks on the
+CPU (the PyTorch reference dequantizes per window, as the Triton kernels do inside theirs
+on CUDA) give the same greedy tokens as weights dequantized at load, with and without
+drafts; the setting resolves per stage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.config import EngineConfig
+from strata.engine.engine import Engine
+from strata.errors import StrataError
+from strata.sampling.params import SamplingParams
+from strata.quant import FORMATS, reference
+from strata.weights.checkpoint import open_checkpoint
+from strata.weights.random_checkpoint import RandomCheckpoint
+
+PROMPTS = [[1, 504, 3457, 282, 4649, 314], [1, 2683, 16909, 30]]
+
+
+def test_default_model_kept_quantized_gives_the_same_tokens(gguf_path, default_checkpoint,
+                                                            caplog):
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    config = EngineConfig(model=str(gguf_path), spec=0, max_context=128, parallel=2,
+                          quantized_weights="off")
+    dense = Engine(config, default_checkpoint).generate(PROMPTS, greedy)
+    caplog.set_level("INFO", logger="strata.engine")
+    blocks = open_checkpoint(str(gguf_path))  # NOTE: the shared fixture's are dequantized
+    quantized = Engine(EngineConfig(**{**config.__dict__, "quantized_weights": "on"}), blocks)
+    module = quantized.runner.stages[0].module
+    kept = {getattr(p, "qtype", None) for p in module.parameters() if p.dtype == torch.uint8}
+    assert kept == {"Q4_1", "Q8_0"}  # the projections, and lm_head tied to the embedding
+    assert module.model.embed_tokens.weight.dtype == torch.float32
+    assert "121 weights (120 Q4_1, 1 Q8_0) stay quantized" in caplog.text  # q, k, v as one
+    assert quantized.generate(PROMPTS, greedy) == dense
+    drafted = Engine(EngineConfig(**{**config.__dict__, "quantized_weights": "on", "spec": 4,
+                                     "spec_type": ("lookup",)}), blocks)
+    assert drafted.generate(PROMPTS, greedy) == dense
+    assert drafted.draft_stats.drafted > 0
+
+
+def test_the_setting_resolves_per_stage():
+    assert not EngineConfig().keeps_quantized(0)  # off by default, on every device
+    assert not EngineConfig(devices=("cuda:0",)).keeps_quantized(0)
+    assert EngineConfig(quantized_weights="on").keeps_quantized(0)
+    assert EngineConfig(devices=("cuda:0", "cuda:1"), layer_split=(4,),
+                        quantized_weights="on").keeps_quantized(1)
+    with pytest.raises(StrataError, match="--quantized-weights"):
+        EngineConfig(quantized_weights="sometimes")
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS))
+def test_random_quantized_checkpoints_spread_like_the_dense_ones(qtype):
+    checkpoint = RandomCheckpoint(f"qwen3-30b-a3b:{qtype.lower()}")
+    blocks = checkpoint.blocks("model.layers.0.self_attn.o_proj.weight", (64, 512),
+                               torch.device("cpu"))
+    assert blocks.dtype == torch.uint8 and blocks.shape == (64, FORMATS[qtype].row_bytes(512))
+    values = reference.dequantize(blocks, qtype)
+    assert values.isfinite().all() and 0.005 < values.std() < 0.08
+    assert values.mean().abs() < 0.02
+    again = checkpoint.blocks("model.layers.0.self_attn.o_proj.weight", (64, 512),
+                              torch.device("cpu"))
+    assert torch.equal(blocks, again)  # the same model in every process
+    assert checkpoint.blocks("x", (64, 576 + FORMATS[qtype].block_values // 2),
+                             torch.device("cpu")) is None  # rows not whole blocks: dense
+
+
+def test_a_random_quantized_model_runs_with_its_projections_in_blocks():
+    engine = Engine(EngineConfig(model="random:smollm2-135m:q8_0", quantized_weights="on",
+                                 spec=0, max_context=64))
+    kept = [p for p in engine.runner.stages[0].module.parameters() if p.dtype == torch.uint8]
+    assert len(kept) == 121 and {p.qtype for p in kept} == {"Q8_0"}
+    [out] = engine.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4,
+                                                           ignore_eos=True))
+    assert len(out) == 4
+    with pytest.raises(StrataError, match="q3_k is not a block format"):
+        RandomCheckpoint("smollm2-135m:q3_k")
