@@ -8,7 +8,13 @@ Builds tiny random llama, qwen3 and qwen3_moe checkpoints with transformers, the
 - the triton attention backend against the reference backend (bf16 logits, max relative
   error), and greedy tokens replayed from CUDA graphs against eager ones (4 prompts x 256
   tokens, with drafts; and without drafts, graphs with windows built ahead against eager
-  windows one at a time), on the tiny models and on `--gguf` (the default model) if given.
+  windows one at a time), on the tiny models and on `--gguf` (the default model) if given;
+- quantized weights (strata/quant): each format's Triton kernels (GEMV for 1, 4 and 32
+  tokens, dequantize + GEMM for 64) against the PyTorch reference on the same device, and
+  on `--gguf` the greedy tokens with projections kept quantized against dequantized bf16
+  (4 prompts x 256 tokens);
+- the fused MoE path against the grouped one (one layer of 8 experts top-2 and of 512
+  experts top-10, 1 to 32 tokens, bf16).
 
     python benchmarks/cuda_check.py --devices cuda:0 [--gguf model.gguf]
 """
@@ -61,9 +67,11 @@ def main() -> int:
             same = sum(a == b for s, t in zip(solo, batched) for a, b in zip(s, t))
             total = sum(len(s) for s in solo)
             rows.append([kind, f"{max(errors):.1e}", f"{agree}/{total}", f"{same}/{total}"])
-        fast = [fast_path(str(Path(tmp) / kind), devices) for kind in ("llama", "qwen3")]
+        fast = [fast_path(str(Path(tmp) / kind), devices)
+                for kind in ("llama", "qwen3", "qwen3_moe")]
     if args.gguf:
         fast.append(fast_path(args.gguf, devices))
+    device = torch.device(devices[0])
     print(f"machine: {machine()}\ncommit: {commit()}\ndevices: {args.devices}\n")
     print(markdown_table(["model", "fp32 CUDA vs transformers: max rel. logit error",
                           "bf16 greedy tokens = fp32 greedy", "bf16 batched tokens = bf16 solo"],
@@ -73,7 +81,75 @@ def main() -> int:
                           "greedy tokens, CUDA graphs = eager (4 x 256, drafts)",
                           "same, no drafts, graphs + windows ahead = eager one at a time"],
                          fast))
+    print()
+    print(markdown_table(["format", "bf16 kernels vs reference: max rel. error, w=1 / 4 / "
+                          "32 / 64"], quant_kernels(device)))
+    if args.gguf:
+        print(f"\n{Path(args.gguf).name}: {quant_tokens(args.gguf, devices)}")
+    print()
+    print(markdown_table(["MoE layer", "fused vs grouped, bf16: max rel. error, w=1 / 4 / 32"],
+                         moe_fused(device)))
     return 0
+
+
+def rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def quant_kernels(device: torch.device) -> list[list[str]]:
+    from strata.quant import FORMATS, matmul, reference
+    from strata.weights.random_checkpoint import RandomCheckpoint
+    rows = []
+    for name in FORMATS:
+        blocks = RandomCheckpoint(f"qwen3-30b-a3b:{name}").blocks("w", (300, 1024), device)
+        weight = reference.dequantize(blocks, name)
+        errors = []
+        for w in (1, 4, 32, 64):
+            x = torch.randn(w, 1024, device=device).bfloat16()
+            errors.append(rel(matmul(x, blocks, name), x.float() @ weight.T))
+        rows.append([name, " / ".join(f"{e:.1e}" for e in errors)])
+    return rows
+
+
+def quant_tokens(model: str, devices: tuple[str, ...]) -> str:
+    """Greedy tokens with projections kept quantized vs dequantized to bf16 at load."""
+    common = dict(model=model, devices=devices, dtype="bf16", max_context=512, parallel=4)
+    kept = Engine(EngineConfig(**common, quantized_weights="on"))
+    dense = Engine(EngineConfig(**common, quantized_weights="off"))
+    batch = prompts(4, kept.model_config.vocab_size, seed=5, low=20, high=200)
+    error = max(rel(kept.score(ids), dense.score(ids)) for ids in batch)
+    greedy = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    a, b = kept.generate(batch, greedy), dense.generate(batch, greedy)
+    same = sum(x == y for s, t in zip(a, b) for x, y in zip(s, t))
+    first = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s))
+             for s, t in zip(a, b)]
+    return (f"projections kept quantized vs dequantized bf16: max rel. logit error "
+            f"{error:.1e}; greedy tokens equal {same}/{sum(map(len, a))} (4 x 256), first "
+            f"difference at token {first}")
+
+
+def moe_fused(device: torch.device) -> list[list[str]]:
+    from strata.layers.linear import LinearFactory, WeightFormat
+    from strata.layers.moe import SparseMoE
+    rows = []
+    for experts, top_k in ((8, 2), (512, 10)):
+        layer = SparseMoE(256, 128, experts, top_k, True,
+                          LinearFactory(WeightFormat(torch.bfloat16)))
+        gen = torch.Generator(device=device).manual_seed(0)
+        for p in layer.parameters():
+            p.data = torch.empty(p.shape, dtype=torch.bfloat16, device=device).normal_(
+                0, 0.05, generator=gen)
+        errors = []
+        for w in (1, 4, 32):
+            x = torch.randn(w, 256, device=device, generator=gen).bfloat16()
+            with torch.inference_mode():
+                layer.experts.path = "fused"
+                fused = layer(x)
+                layer.experts.path = "grouped"
+                grouped = layer(x)
+            errors.append(rel(fused, grouped))
+        rows.append([f"{experts} experts, top-{top_k}", " / ".join(f"{e:.1e}" for e in errors)])
+    return rows
 
 
 def fast_path(model: str, devices: tuple[str, ...]) -> list[str]:

@@ -129,3 +129,18 @@ def test_graph_and_backend_settings_say_what_they_need(tiny_models):
     assert engine.runner.stages[0].graphs is None
     assert resolve_backend("auto", torch.device("cpu")) == "reference"
     assert resolve_backend("triton", torch.device("cpu")) == "triton"
+
+
+def test_moe_stages_capture_the_windows_their_fused_path_runs(tiny_models, monkeypatch):
+    """A MoE stage lets graphs capture windows of up to FUSED_MAX_TOKENS tokens where its
+    fused path runs (CUDA with triton), and none where it does not; dense stages have no
+    limit."""
+    from strata.layers.moe import FUSED_MAX_TOKENS, GroupedExperts
+    from strata.stage.stage import graph_token_limit
+
+    moe = Engine(EngineConfig(model=str(tiny_models["qwen3_moe"][0]), spec=0, max_context=64))
+    dense = Engine(EngineConfig(model=str(tiny_models["llama"][0]), spec=0, max_context=64))
+    assert graph_token_limit(dense.runner.stages[0]) is None
+    assert graph_token_limit(moe.runner.stages[0]) == 0  # the CPU: no fused path
+    monkeypatch.setattr(GroupedExperts, "_fused_runs", staticmethod(lambda t: True))
+    assert graph_token_limit(moe.runner.stages[0]) == FUSED_MAX_TOKENS == 32

@@ -15,6 +15,9 @@ from torch import nn
 
 from strata.layers.linear import LinearFactory, ParamSpec, with_spec
 from strata.layers.mlp import GatedMLP
+from strata.quant import triton_available
+
+FUSED_MAX_TOKENS = 32  # the fused path's largest window (decode and verify windows)
 
 FLOAT32 = ParamSpec(torch.float32)
 
@@ -92,8 +95,16 @@ class SharedExpertMoE(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    capturable = False  # NOTE: per-expert counts are read on the host or sized by data
-    """Expert weights stacked per projection: gate/up [E, I, hidden], down [E, hidden, I]."""
+    """Expert weights stacked per projection: gate/up [E, I, hidden], down [E, hidden, I].
+
+    Two paths compute the same sum. `fused` (moe_triton.py: two Triton kernels that read
+    only the experts the window's tokens route to, no host sync) runs windows of up to
+    FUSED_MAX_TOKENS tokens on CUDA where triton is installed: decode and verify windows,
+    which CUDA graphs capture. `grouped` runs the rest (prompt chunks, the CPU): tokens
+    sorted by expert, one grouped product per projection, its expert counts read on the
+    host. `path` pins one (benchmarks); `auto` chooses per window."""
+
+    path = "auto"
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int):
         super().__init__()
@@ -102,7 +113,29 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    @property
+    def capture_limit(self) -> int:
+        """Largest window (tokens) a CUDA graph may capture: the fused path's, where it runs."""
+        return FUSED_MAX_TOKENS if self._fused_runs(self.gate_proj) else 0
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        path = self.path
+        if path == "auto":
+            path = ("fused" if self._fused_runs(x) and x.shape[0] <= FUSED_MAX_TOKENS
+                    else "grouped")
+        if path == "fused":
+            from strata.layers.moe_triton import fused_experts
+            return fused_experts(x, experts, weights, self.gate_proj, self.up_proj,
+                                 self.down_proj)
+        return self.grouped(x, experts, weights)
+
+    @staticmethod
+    def _fused_runs(t: torch.Tensor) -> bool:
+        return t.is_cuda and triton_available()
+
+    def grouped(self, x: torch.Tensor, experts: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
         tokens, top_k = experts.shape
         flat = experts.reshape(-1)                             # [T*k]
         order = torch.argsort(flat, stable=True)

@@ -1,0 +1,120 @@
+"""C(w) of one MoE layer against its bytes-touched roofline: the input the cost model needs
+for MoE stages (a draft token costs what the experts it routes to cost to read).
+
+    .venv/bin/python benchmarks/moe_cost.py --device cuda:0                  # qwen3-30b-a3b
+    .venv/bin/python benchmarks/moe_cost.py --device cuda:0 --experts 512 --top-k 10
+
+One layer of the preset's shape (router, routed experts; random bf16 weights N(0, 0.02))
+runs windows of w tokens of random hidden states. Per w it prints the distinct experts the
+window touched, the bytes that must be read (distinct experts x one expert's gate, up and
+down bytes, plus the router), the roofline time (those bytes at the device's bandwidth,
+measured here by a device-to-device copy unless --bandwidth is given), each path's time
+and its ratio to the roofline. Paths: `grouped` (tokens sorted by expert, one grouped
+matrix product per projection: `torch._grouped_mm` on CUDA, a loop over experts elsewhere)
+and `fused` (strata/layers/moe_triton.py: two Triton kernels reading only the routed
+experts; CUDA, or anywhere under TRITON_INTERPRET=1). On CUDA every path is timed as a
+CUDA graph replay where it can be captured (launches excluded), else eagerly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from strata.bench.report import add_record_flags, commit, machine, markdown_table, record
+from strata.bench.timing import median_seconds
+from strata.layers.linear import LinearFactory, WeightFormat
+from strata.layers.moe import SparseMoE
+from strata.weights.random_checkpoint import PRESETS
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def moe_layer(args, device: torch.device, dtype: torch.dtype) -> SparseMoE:
+    preset = PRESETS[args.preset]
+    layer = SparseMoE(preset["hidden_size"], preset["moe_intermediate_size"],
+                      args.experts or preset["num_experts"],
+                      args.top_k or preset["num_experts_per_tok"], preset["norm_topk_prob"],
+                      LinearFactory(WeightFormat(dtype)))
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.data = torch.empty(p.shape, dtype=dtype, device=device).normal_(
+                0.0, 0.02, generator=gen)
+    return layer
+
+
+def bandwidth(device: torch.device) -> float:
+    """Bytes per second of a device-to-device copy of 1 GiB (read + write counted)."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(2 ** 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    return 2 * 10 * src.numel() / (time.perf_counter() - start)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_record_flags(parser)
+    parser.add_argument("--preset", default="qwen3-30b-a3b",
+                        choices=[n for n, p in PRESETS.items() if "num_experts" in p])
+    parser.add_argument("--experts", type=int, help="routed experts (default: the preset's)")
+    parser.add_argument("--top-k", type=int, help="experts per token (default: the preset's)")
+    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    parser.add_argument("--widths", default="1,2,4,8,16,32", help="window widths to time")
+    parser.add_argument("--paths", default="grouped,fused", help="grouped,fused")
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--bandwidth", type=float, help="device GB/s (default: measured)")
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    widths = [int(w) for w in args.widths.split(",")]
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    layer = moe_layer(args, device, dtype)
+    experts = layer.experts
+    hidden, num_experts = experts.gate_proj.shape[2], experts.num_experts
+    expert_bytes = sum(p[0].numel() * p.element_size()
+                       for p in (experts.gate_proj, experts.up_proj, experts.down_proj))
+    router_bytes = layer.gate.weight.numel() * layer.gate.weight.element_size()
+    speed = args.bandwidth * 1e9 if args.bandwidth else bandwidth(device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    rows, raw = [], {}
+    with torch.inference_mode():
+        for w in widths:
+            x = torch.randn(w, hidden, dtype=dtype, device=device, generator=gen)
+            probs = torch.softmax(layer.gate(x).float(), dim=-1)
+            touched = int(torch.topk(probs, layer.top_k, dim=-1).indices.unique().numel())
+            need = touched * expert_bytes + router_bytes
+            roof = need / speed
+            seconds = {}
+            for path in paths:
+                experts.path = path
+                seconds[path] = median_seconds(lambda: layer(x), device, args.repeats)
+            experts.path = "auto"
+            raw[w] = {"touched": touched, "bytes": need, "roofline_s": roof, **seconds}
+            rows.append([w, touched, f"{need / 2**20:.1f}", f"{roof * 1e6:.0f}"]
+                        + [f"{seconds[p] * 1e6:.0f} / {seconds[p] / roof:.2f}x" for p in paths])
+    print(f"machine: {machine()}\ncommit: {commit()}\nsettings: preset={args.preset} "
+          f"experts={num_experts} top_k={layer.top_k} hidden={hidden} "
+          f"expert_width={experts.gate_proj.shape[1]} dtype={args.dtype} device={device} "
+          f"bandwidth={speed / 1e9:.0f} GB/s ({'given' if args.bandwidth else 'measured'}) "
+          f"repeats={args.repeats} (median)")
+    print(markdown_table(["w", "experts touched", "MiB read", "roofline us"]
+                         + [f"{p} us / roofline" for p in paths], rows))
+    record(args, {"benchmark": "moe_cost", "settings": {
+        "preset": args.preset, "experts": num_experts, "top_k": layer.top_k,
+        "dtype": args.dtype, "device": str(device), "bandwidth": speed}, "widths": raw})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

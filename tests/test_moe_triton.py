@@ -1,0 +1,284 @@
+"""strata/layers/moe_triton.py's `fused_experts` against `GroupedExperts.forward` (its
+kernels run in triton's interpreter on the CPU, see conftest.py): windows of 1, 3 and 32
+tokens at top-k 2 and 8 in fp32 and bf16, 512 experts at top-k 10, experts shared by
+several tokens, a token naming one expert more often than a tile has rows, shapes over
+several tiles with partial ones; the experts that no token routes to are never read;
+both routers of moe.py give it inputs it takes (whole layers agree with it swapped in);
+its host code never syncs; the kernels compile for SM86 and SM90 without a GPU; and what
+it does not take is a clear ValueError."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+
+import pytest
+import torch
+from conftest import SM86_SHARED, offline_compiled
+
+pytest.importorskip("triton")
+
+from strata.layers import moe_triton
+from strata.layers.linear import LinearFactory
+from strata.layers.moe import GroupedExperts, GroupedTopKRouter, SharedExpertMoE, SparseMoE
+from strata.layers.moe_triton import fused_experts
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def grouped_experts(num_experts: int, hidden: int, inter: int, dtype=torch.float32,
+                    seed: int = 0) -> GroupedExperts:
+    """GroupedExperts with random weights (scaled so that activations stay near 1)."""
+    g = torch.Generator().manual_seed(seed)
+    module = GroupedExperts(hidden, inter, num_experts)
+    with torch.no_grad():
+        for param in (module.gate_proj, module.up_proj):
+            param.copy_(torch.randn(param.shape, generator=g) * hidden ** -0.5)
+        module.down_proj.copy_(torch.randn(module.down_proj.shape, generator=g) * inter ** -0.5)
+    return reference(module.to(dtype))
+
+
+def reference(module: GroupedExperts) -> GroupedExperts:
+    """`module`, its forward pinned to the grouped (reference) path where it has paths."""
+    module.path = "grouped"
+    return module
+
+
+def routing(tokens: int, top_k: int, num_experts: int, dtype=torch.float32, seed: int = 1):
+    """Random x-independent routing: distinct experts per token [T, k], weights [T, k]."""
+    g = torch.Generator().manual_seed(seed)
+    experts = torch.rand(tokens, num_experts, generator=g).topk(top_k, dim=-1).indices
+    weights = torch.rand(tokens, top_k, generator=g).softmax(dim=-1).to(dtype)
+    return experts, weights
+
+
+def window(tokens: int, hidden: int, dtype=torch.float32, seed: int = 2) -> torch.Tensor:
+    return torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def fused(module: GroupedExperts, x, experts, weights) -> torch.Tensor:
+    return fused_experts(x, experts, weights, module.gate_proj.detach(),
+                         module.up_proj.detach(), module.down_proj.detach())
+
+
+def assert_matches(y: torch.Tensor, ref: torch.Tensor):
+    """y close to ref in ref's dtype's tolerance, relative to ref's largest magnitude."""
+    assert y.dtype == ref.dtype and y.shape == ref.shape
+    tol = TOL[ref.dtype]
+    torch.testing.assert_close(y.float(), ref.float(), rtol=tol,
+                               atol=tol * ref.float().abs().max().item())
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k", [2, 8])
+@pytest.mark.parametrize("tokens", [1, 3, 32])
+def test_equals_grouped_experts(tokens, top_k, dtype):
+    """I = 48 fills part of a 64-column tile; at top-k 8 of 8 every token reads every
+    expert, and with 32 tokens each expert serves all of them."""
+    module = grouped_experts(8, 64, 48, dtype)
+    x = window(tokens, 64, dtype)
+    experts, weights = routing(tokens, top_k, 8, dtype)
+    assert_matches(fused(module, x, experts, weights), module(x, experts, weights))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_512_experts_at_top_k_10(dtype):
+    module = grouped_experts(512, 32, 16, dtype)
+    x = window(4, 32, dtype)
+    experts, weights = routing(4, 10, 512, dtype, seed=3)
+    experts[1, :3] = torch.tensor([511, 0, 256])  # both ends of the experts
+    assert_matches(fused(module, x, experts, weights), module(x, experts, weights))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_experts_and_several_tiles(dtype):
+    """Expert 2 serves all five tokens, the others one to three; each token's three pairs
+    go to different experts. H = 160 and I = 80: three inner steps and two column tiles,
+    the last of each partial."""
+    module = grouped_experts(6, 160, 80, dtype, seed=4)
+    x = window(5, 160, dtype)
+    experts = torch.tensor([[2, 0, 5], [2, 1, 4], [3, 2, 0], [1, 5, 2], [4, 3, 2]])
+    weights = torch.rand(5, 3, generator=torch.Generator().manual_seed(5)).to(dtype)
+    assert_matches(fused(module, x, experts, weights), module(x, experts, weights))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("tokens,top_k", [(3, 8), (32, 3)])
+def test_an_expert_named_more_often_than_a_tile_has_rows(tokens, top_k):
+    """A router never names one expert twice for a token, but given so, an expert has
+    more pairs than the window has tokens (24 > 16 rows of a tile, 96 > 32): its
+    programs walk them a tile at a time, and the sum still counts each pair."""
+    module = grouped_experts(4, 64, 48)
+    x = window(tokens, 64)
+    experts = torch.ones(tokens, top_k, dtype=torch.long)
+    experts[0, 0] = 3
+    weights = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(6))
+    assert_matches(fused(module, x, experts, weights), module(x, experts, weights))
+
+
+@torch.no_grad()
+def test_experts_that_no_token_routes_to_are_never_read():
+    """NaN weights in every expert the window does not route to leave the output exactly
+    as with clean weights."""
+    module = grouped_experts(16, 64, 48)
+    x = window(3, 64)
+    experts, weights = routing(3, 2, 16, seed=7)
+    clean = fused(module, x, experts, weights)
+    unused = torch.ones(16, dtype=torch.bool)
+    unused[experts.reshape(-1)] = False
+    assert unused.sum() >= 10
+    for param in module.parameters():
+        param[unused] = float("nan")
+    poisoned = fused(module, x, experts, weights)
+    assert torch.isfinite(poisoned).all()
+    assert torch.equal(poisoned, clean)
+    assert_matches(clean, grouped_experts(16, 64, 48)(x, experts, weights))
+
+
+class FusedExperts(torch.nn.Module):
+    """A GroupedExperts' weights, multiplied by `fused_experts`: swapped into a layer."""
+
+    def __init__(self, experts: GroupedExperts):
+        super().__init__()
+        self.inner = experts
+
+    def forward(self, x, experts, weights):
+        return fused(self.inner, x, experts, weights)
+
+
+def randomized(layer: torch.nn.Module, seed: int) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * param.shape[-1] ** -0.5)
+    return layer
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_sparse_moe_routing(tokens, dtype):
+    """qwen3_moe's softmax top-k (renormalised, weights cast to x's dtype)."""
+    layer = randomized(SparseMoE(64, 48, 8, 3, True, LinearFactory()), seed=8).to(dtype)
+    reference(layer.experts)
+    x = window(tokens, 64, dtype, seed=9)
+    ref = layer(x)
+    layer.experts = FusedExperts(layer.experts)
+    assert_matches(layer(x), ref)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("tokens", [2, 32])
+def test_grouped_top_k_routing_with_shared_experts(tokens):
+    """DeepSeek-V3's sigmoid scores, selection bias and group-limited top-k (2 groups of
+    4 of 16 experts), float32 weights, and the shared experts added."""
+    router = GroupedTopKRouter(64, 16, 4, num_groups=4, topk_groups=2, scaling=2.5)
+    layer = randomized(SharedExpertMoE(64, 48, 16, router, 32, LinearFactory()), seed=10)
+    reference(layer.experts)
+    x = window(tokens, 64, seed=11)
+    experts, weights = router(x)
+    assert experts.shape == (tokens, 4) and weights.dtype == torch.float32
+    ref = layer(x)
+    layer.experts = FusedExperts(layer.experts)
+    assert_matches(layer(x), ref)
+
+
+def test_the_host_code_never_syncs():
+    """No host reads or data-sized results in the launcher (a CUDA graph could not
+    capture them): none of these calls appears anywhere in the module."""
+    banned = {"item", "tolist", "nonzero", "unique", "bincount", "cpu", "numpy",
+              "masked_select", "repeat_interleave", "synchronize"}
+    tree = ast.parse(inspect.getsource(moe_triton))
+    called = {node.func.attr if isinstance(node.func, ast.Attribute) else
+              getattr(node.func, "id", None) for node in ast.walk(tree)
+              if isinstance(node, ast.Call)}
+    assert "scatter_add_" in called and "argsort" in called
+    assert not called & banned
+
+
+def compile_offline(arch: int, tokens: int, dtype, hidden: int = 2048, inter: int = 768):
+    """`_gate_up` and `_down` for a window of `tokens` tokens of `dtype` (Qwen3-30B-A3B's
+    expert shape by default) as triton compiles them for an NVIDIA GPU of compute
+    capability `arch` (no GPU needed), with the constants the launcher passes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    gate_up, down, num_warps = moe_triton.kernel_constants(tokens, hidden, inter, dtype)
+    compiled = []
+    for kernel, constants in ((moe_triton._gate_up, gate_up), (moe_triton._down, down)):
+        fn = kernel.fn  # the Python function under jit or interpreter
+        signature = {}
+        for name in inspect.signature(fn).parameters:
+            signature[name] = ("constexpr" if name in constants else
+                               "*i32" if name in ("counts_ptr", "starts_ptr") else
+                               "*i64" if name in ("listed_ptr", "order_ptr") else
+                               "*fp32" if name == "out_ptr" else
+                               "*" + names[dtype] if name.endswith("_ptr") else "i32")
+        compiled.append(triton.compile(
+            ASTSource(fn=JITFunction(fn), signature=signature, constexprs=constants),
+            target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps,
+                                                             num_stages=2)))
+    return compiled
+
+
+COMPILED = [("bfloat16", 1), ("bfloat16", 32), ("float32", 32)]
+
+
+def test_the_kernels_compile_for_rtx3090_and_h200(tmp_path):
+    """The interpreter runs what the GPU compiler may reject (types, layouts, shared
+    memory): compile both kernels for decode and 32-token windows for SM86 and SM90,
+    without a GPU. In a fresh process, since the compiler cannot run where the
+    interpreter is chosen."""
+    code = ("import torch; from test_moe_triton import COMPILED, compile_offline\n"
+            "for arch in (86, 90):\n"
+            "    print(*[k.metadata.shared for d, t in COMPILED\n"
+            "            for k in compile_offline(arch, t, getattr(torch, d))])")
+    shared = offline_compiled(code, tmp_path)
+    assert len(shared) == 2 * 2 * len(COMPILED)
+    assert max(shared) <= SM86_SHARED
+
+
+def test_bad_inputs_are_clear_errors():
+    module = grouped_experts(4, 32, 16)
+    gate, up, down = (p.detach() for p in module.parameters())
+    x = torch.zeros(2, 32)
+    experts, weights = routing(2, 2, 4)
+
+    def call(x=x, experts=experts, weights=weights, gate=gate, up=up, down=down):
+        return fused_experts(x, experts, weights, gate, up, down)
+
+    for tokens in (0, 33):
+        with pytest.raises(ValueError, match=f"1 to 32 tokens, not {tokens}"):
+            call(torch.zeros(tokens, 32), torch.zeros(tokens, 2, dtype=torch.long),
+                 torch.zeros(tokens, 2))
+    with pytest.raises(ValueError, match="x must be a 2-D float32, bfloat16 or float16"):
+        call(x.double())
+    with pytest.raises(ValueError, match="x must be a 2-D"):
+        call(x[None])
+    with pytest.raises(ValueError, match=r"experts must be an int64 or int32 tensor \[2, "):
+        call(experts=experts[:1])
+    with pytest.raises(ValueError, match="experts must be an int64 or int32"):
+        call(experts=experts.float())
+    with pytest.raises(ValueError, match="top-k of 1 to 10, not 11"):
+        call(experts=torch.zeros(2, 11, dtype=torch.long), weights=torch.zeros(2, 11))
+    with pytest.raises(ValueError, match=r"weights must be a floating tensor of the "
+                                         r"experts' shape \(2, 2\)"):
+        call(weights=weights[:, :1])
+    with pytest.raises(ValueError, match="weights must be a floating tensor"):
+        call(weights=experts)
+    with pytest.raises(ValueError, match="gate_proj must be a 3-D torch.float32 tensor, "
+                                         "not torch.bfloat16"):
+        call(gate=gate.bfloat16())
+    with pytest.raises(ValueError, match=r"gate_proj and up_proj must be \[experts, "
+                                         r"intermediate, 32\] alike"):
+        call(up=up[:, :8])
+    with pytest.raises(ValueError, match=r"gate_proj and up_proj must be"):
+        call(torch.zeros(2, 48))
+    with pytest.raises(ValueError, match=r"down_proj must be \[4, 32, 16\], not \(4, 32, 8\)"):
+        call(down=down[..., :8])
