@@ -219,7 +219,14 @@ class EngineConfig:
     def keeps_quantized(self, stage: int) -> bool:
         """Do stage `stage`'s projections stay in their GGUF blocks (--quantized-weights)?
         (Per stage, so that a later rule may choose by device and memory.)"""
-        return self.quantized_weights == "on"
+        if self.quantized_weights != "on":
+            return False
+        from strata import quant
+        if self.stage_device(stage).type == "cuda" and not quant.triton_available():
+            raise StrataError("--quantized-weights on needs the triton package on CUDA "
+                              "stages (its kernels multiply the blocks): pip install "
+                              "'strata[gpu]', or leave --quantized-weights off")
+        return True
 
     def kv_dtype(self) -> torch.dtype:
         return self.torch_dtype() if self.kv == "auto" else DTYPES[self.kv]

@@ -40,7 +40,7 @@ def test_default_model_kept_quantized_gives_the_same_tokens(gguf_path, default_c
     assert drafted.draft_stats.drafted > 0
 
 
-def test_the_setting_resolves_per_stage():
+def test_the_setting_resolves_per_stage(monkeypatch):
     assert not EngineConfig().keeps_quantized(0)  # off by default, on every device
     assert not EngineConfig(devices=("cuda:0",)).keeps_quantized(0)
     assert EngineConfig(quantized_weights="on").keeps_quantized(0)
@@ -48,6 +48,11 @@ def test_the_setting_resolves_per_stage():
                         quantized_weights="on").keeps_quantized(1)
     with pytest.raises(StrataError, match="--quantized-weights"):
         EngineConfig(quantized_weights="sometimes")
+    import strata.quant
+    monkeypatch.setattr(strata.quant, "triton_available", lambda: False)
+    assert EngineConfig(quantized_weights="on").keeps_quantized(0)  # the CPU: the reference
+    with pytest.raises(StrataError, match="needs the triton package on CUDA stages"):
+        EngineConfig(devices=("cuda:0",), quantized_weights="on").keeps_quantized(0)
 
 
 @pytest.mark.parametrize("qtype", list(FORMATS))

@@ -47,6 +47,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     checkpoint = open_checkpoint(engine_config.model)
     for stage in range(len(engine_config.stage_ranges(checkpoint.config.num_layers))):
         check_device(engine_config.stage_device(stage))
+        engine_config.keeps_quantized(stage)  # raises if the stage cannot run its kernels
     check_port_free(server_config.host, server_config.port)
     name = server_config.served_model_name or model_name(checkpoint)
     metrics = Metrics()
