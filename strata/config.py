@@ -63,7 +63,8 @@ class EngineConfig:
         "Triton kernel (a CPU stage dequantizes per window in PyTorch: slow, for tests); "
         "off: dequantized to --dtype at load, which is faster on the GPU today (the kernels "
         "are correct but not yet at bandwidth: benchmarks/quant_speed.py) and takes ~2-4x "
-        "the memory. Embeddings, norms, MoE experts and other types are always dequantized",
+        "the memory. MoE experts stay in their blocks too; embeddings, norms, routers and "
+        "other types are always dequantized",
         choices=("on", "off")))
     compile: str = field(default="on", metadata=_opt(
         "on: CUDA stages run RMSNorm, rotary embedding and the SiLU gate as torch.compile'd "

@@ -5,8 +5,12 @@ drafts; the setting resolves per stage."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import gguf
 import pytest
 import torch
+from conftest import prompts
 
 from strata.config import EngineConfig
 from strata.engine.engine import Engine
@@ -14,7 +18,10 @@ from strata.errors import StrataError
 from strata.sampling.params import SamplingParams
 from strata.quant import FORMATS, reference
 from strata.weights.checkpoint import open_checkpoint
+from strata.weights.experts import STACKED, stacked_experts
+from strata.weights.hf_checkpoint import HFCheckpoint
 from strata.weights.random_checkpoint import RandomCheckpoint
+from strata.weights.tensor import StoredTensor
 
 PROMPTS = [[1, 504, 3457, 282, 4649, 314], [1, 2683, 16909, 30]]
 
@@ -69,6 +76,10 @@ def test_random_quantized_checkpoints_spread_like_the_dense_ones(qtype):
     assert torch.equal(blocks, again)  # the same model in every process
     assert checkpoint.blocks("x", (64, 576 + FORMATS[qtype].block_values // 2),
                              torch.device("cpu")) is None  # rows not whole blocks: dense
+    experts = checkpoint.blocks("model.layers.0.mlp.experts.down_proj", (3, 8, 512),
+                                torch.device("cpu"))  # stacked experts
+    assert experts.shape == (3, 8, FORMATS[qtype].row_bytes(512))
+    assert reference.dequantize(experts[2], qtype).isfinite().all()
 
 
 def test_a_random_quantized_model_runs_with_its_projections_in_blocks():
@@ -81,3 +92,49 @@ def test_a_random_quantized_model_runs_with_its_projections_in_blocks():
     assert len(out) == 4
     with pytest.raises(StrataError, match="q3_k is not a block format"):
         RandomCheckpoint("smollm2-135m:q3_k")
+
+
+class Quantizing:
+    """A Hugging Face checkpoint whose projections and stacked experts read as Q8_0
+    blocks, as a GGUF file stores them (its other tensors as they are)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def has(self, name):
+        return name.endswith(STACKED) or self.inner.has(name)
+
+    def read(self, name):
+        if name.endswith(STACKED):
+            dense = stacked_experts(name, self.inner, self.inner.config.num_experts).data
+        else:
+            dense = self.inner.read(name).data
+            if not (name.endswith("proj.weight") and dense.dim() == 2):
+                return StoredTensor.of(dense)
+        raw = gguf.quants.quantize(dense.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+        return StoredTensor(tuple(dense.shape), "Q8_0", raw)
+
+
+def test_moe_experts_kept_quantized_give_the_same_tokens(tiny_models):
+    """Tiny qwen3_moe with every projection and its stacked experts as Q8_0 blocks: kept
+    in them (the grouped path dequantizes each routed expert per window on the CPU) the
+    greedy tokens equal those of the same blocks dequantized at load, with drafts too."""
+    folder, model = tiny_models["qwen3_moe"]
+    checkpoint = Quantizing(HFCheckpoint(folder))
+    batch = prompts(3, model.config.vocab_size, seed=3, low=4, high=30)
+    batch = [p * 2 for p in batch]  # repeats: so that lookup drafts are made
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    config = EngineConfig(model=str(folder), spec=0, max_context=128, parallel=3,
+                          quantized_weights="off")
+    dense = Engine(config, checkpoint).generate(batch, greedy)
+    kept = Engine(dataclasses.replace(config, quantized_weights="on"), checkpoint)
+    experts = kept.runner.stages[0].module.model.layers["0"].mlp.experts
+    assert experts.gate_proj.dtype == torch.uint8 and experts.down_proj.qtype == "Q8_0"
+    assert experts.gate_proj.shape == (8, 32, FORMATS["Q8_0"].row_bytes(64))
+    assert kept.generate(batch, greedy) == dense
+    drafted = Engine(dataclasses.replace(config, quantized_weights="on", spec=4,
+                                         spec_type=("lookup",)), checkpoint)
+    assert drafted.generate(batch, greedy) == dense and drafted.draft_stats.drafted > 0

@@ -4,7 +4,10 @@ Two routers: softmax top-k (SparseMoE, qwen3_moe) and DeepSeek-V3's sigmoid scor
 a selection bias and group-limited top-k (GroupedTopKRouter, used with always-on shared
 experts by SharedExpertMoE). Token-expert pairs are sorted by expert so that each expert
 multiplies one contiguous slice of rows (a grouped matrix product); the loop, where there
-is one, runs over experts, never over tokens.
+is one, runs over experts, never over tokens. Decode and verify windows on CUDA take the
+fused kernels of moe_triton.py instead. Expert weights are dense, or (`--quantized-weights
+on`) their GGUF blocks: the fused kernels decode them as they go, the grouped product
+dequantizes each routed expert.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = linear(hidden, num_experts)  # router
-        self.experts = GroupedExperts(hidden, intermediate, num_experts)
+        self.experts = GroupedExperts(hidden, intermediate, num_experts,
+                                      quantized=linear.format.quantized)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         router_probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
@@ -82,7 +86,8 @@ class SharedExpertMoE(nn.Module):
                  shared_intermediate: int, linear: LinearFactory):
         super().__init__()
         self.gate = gate
-        self.experts = GroupedExperts(hidden, intermediate, num_experts)
+        self.experts = GroupedExperts(hidden, intermediate, num_experts,
+                                      quantized=linear.format.quantized)
         if shared_intermediate:
             self.shared_experts = GatedMLP(hidden, shared_intermediate, linear)
 
@@ -106,12 +111,19 @@ class GroupedExperts(nn.Module):
 
     path = "auto"
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int):
+    def __init__(self, hidden: int, intermediate: int, num_experts: int,
+                 quantized: bool = False):
+        """`quantized`: the stacked weights may stay in their file's GGUF blocks (uint8
+        [E, out, row bytes] with a `qtype`; the loader decides from the file)."""
         super().__init__()
         self.num_experts = num_experts
-        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
-        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        spec = ParamSpec(quantized=quantized)
+        self.gate_proj = with_spec(nn.Parameter(torch.empty(num_experts, intermediate, hidden)),
+                                   spec)
+        self.up_proj = with_spec(nn.Parameter(torch.empty(num_experts, intermediate, hidden)),
+                                 spec)
+        self.down_proj = with_spec(nn.Parameter(torch.empty(num_experts, hidden, intermediate)),
+                                   spec)
 
     @property
     def capture_limit(self) -> int:
@@ -125,9 +137,13 @@ class GroupedExperts(nn.Module):
             path = ("fused" if self._fused_runs(x) and x.shape[0] <= FUSED_MAX_TOKENS
                     else "grouped")
         if path == "fused":
-            from strata.layers.moe_triton import fused_experts
-            return fused_experts(x, experts, weights, self.gate_proj, self.up_proj,
-                                 self.down_proj)
+            from strata.layers import moe_triton
+            if self.gate_proj.dtype == torch.uint8:
+                return moe_triton.fused_experts_quantized(
+                    x, experts, weights, *((w, w.qtype) for w in
+                                           (self.gate_proj, self.up_proj, self.down_proj)))
+            return moe_triton.fused_experts(x, experts, weights, self.gate_proj, self.up_proj,
+                                            self.down_proj)
         return self.grouped(x, experts, weights)
 
     @staticmethod
@@ -150,8 +166,20 @@ class GroupedExperts(nn.Module):
 
 
 def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """rows: [N, in] sorted by expert, counts[e] rows for expert e; weight: [E, out, in].
-    Returns [N, out] with rows[i] @ weight[expert(i)].T."""
+    """rows: [N, in] sorted by expert, counts[e] rows for expert e; weight: [E, out, in]
+    (or its GGUF blocks [E, out, row bytes] with a `qtype`: each routed expert is then
+    dequantized to rows' dtype for its product). Returns [N, out] with
+    rows[i] @ weight[expert(i)].T."""
+    if weight.dtype == torch.uint8:
+        from strata import quant
+        out = rows.new_empty(rows.shape[0], weight.shape[1])
+        start = 0
+        for expert, count in enumerate(counts.tolist()):  # NOTE: one host read per layer
+            if count:
+                dense = quant.dequantize(weight[expert], weight.qtype, rows.dtype)
+                out[start:start + count] = rows[start:start + count] @ dense.T
+                start += count
+        return out
     if rows.is_cuda and rows.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(rows, weight.transpose(1, 2), offs=offsets)

@@ -29,6 +29,20 @@ are fp32; g, u and silu(g) are rounded to x's dtype where the reference rounds t
 matmuls and silu write x's dtype); the expert outputs are weighted and summed in fp32
 before the final cast.
 
+Quantized experts. `fused_experts_quantized` takes each projection as a pair (blocks,
+qtype): the stacked experts' weights kept as the GGUF file stores them (uint8 [E, rows,
+row bytes], formats.py), gate, up and down each of its own format. The routing and the
+two grids are those above; `_gate_up_q` and `_down_q` walk the inner dimension one
+format *group* at a time instead of BLOCK_K columns: triton_quant's `_decode_group`
+yields the tile's rows' integer quants (two runs of C values, each with a per-row scale
+and offset) and triton_quant's `_accumulate` adds scale * (x . q) + offset * sum(x) for
+the program's gathered rows (their pointers, a row stride of 0), by tl.dot for windows
+of more than REDUCE_TOKENS tokens and a broadcast sum below. The gate's and the up's
+groups are walked in turn (they may differ in format); the epilogues (silu(g) * u into
+h, the weighted rows into out) are the dense kernels' own. A group never spans two
+blocks, so the inner dimensions must be whole blocks: H (and I, for down) a multiple of
+256 for the K-quants, of 32 for Q8_0 and Q4_x.
+
 NOTE: nothing here syncs with the host or allocates by data: every buffer's shape
 follows (T, k, E, H, I) and each program loads its expert and that expert's count, so a
 launch can be captured in a CUDA graph. Tile sizes are fixed (no autotuning: a fresh
@@ -42,6 +56,9 @@ dot/exp, casts and bitcasts); the kernels compile for SM86 and SM90
 import torch
 import triton
 import triton.language as tl
+
+from strata.quant.formats import FORMATS
+from strata.quant.triton_quant import GROUPS, _accumulate, _decode_group, gemv_constants
 
 MAX_TOKENS = 32   # the largest window
 MAX_TOP_K = 10
@@ -70,6 +87,30 @@ def _rounded(v, dtype: tl.constexpr):
 
 
 @triton.jit
+def _store_act(acc_g, acc_u, h_ptr, rows, slot_ok, cols, col_ok):
+    """silu(g) * u of the fp32 sums acc_g, acc_u [BLOCK_T, BLOCK_N] into h's `rows`
+    [BLOCK_T, 1] (pointers) at `cols`. The reference rounds gate, up and silu(gate) to
+    x's dtype (h's): so do we."""
+    dtype = h_ptr.dtype.element_ty
+    g = _rounded(acc_g, dtype)
+    u = _rounded(acc_u, dtype)
+    act = _rounded(g / (1.0 + tl.exp(-g)), dtype)
+    tl.store(rows + cols[None, :], _rounded(act * u, dtype).to(dtype),
+             mask=slot_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _store_weighted(acc, out_ptr, weights_ptr, order_ptr, start, slot, slot_ok, cols,
+                    col_ok, stride_ot):
+    """Each slot's row of acc [BLOCK_T, BLOCK_N] times its pair's routing weight, in fp32,
+    into out [T*k, H] at the pair's own index."""
+    pair = tl.load(order_ptr + start + slot, mask=slot_ok, other=0)
+    weight = tl.load(weights_ptr + pair, mask=slot_ok, other=0.0).to(tl.float32)
+    out = out_ptr + pair[:, None] * stride_ot + cols[None, :]
+    tl.store(out, acc * weight[:, None], mask=slot_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _gate_up(x_ptr, gate_ptr, up_ptr, h_ptr,           # [T, H], [E, I, H] x2, [T*k, I]
              listed_ptr, counts_ptr, starts_ptr, order_ptr,  # [S], [E] x2, [T*k]
              top_k, hidden, inter,
@@ -83,7 +124,6 @@ def _gate_up(x_ptr, gate_ptr, up_ptr, h_ptr,           # [T, H], [E, I, H] x2, [
     start = tl.load(starts_ptr + expert)
     gate = gate_ptr + expert.to(tl.int64) * stride_ge + cols.to(tl.int64)[None, :] * stride_gi
     up = up_ptr + expert.to(tl.int64) * stride_ue + cols.to(tl.int64)[None, :] * stride_ui
-    dtype = h_ptr.dtype.element_ty
     for first in range(0, count, BLOCK_T):  # once, unless a token names an expert twice
         slot = first + tl.arange(0, BLOCK_T)
         slot_ok = slot < count
@@ -101,13 +141,8 @@ def _gate_up(x_ptr, gate_ptr, up_ptr, h_ptr,           # [T, H], [E, I, H] x2, [
             u = tl.load(up + k[:, None], mask=w_ok, other=0.0)
             acc_g += _dot(x, g, DOT_FP32)
             acc_u += _dot(x, u, DOT_FP32)
-        # The reference rounds gate, up and silu(gate) to x's dtype: so do we.
-        g = _rounded(acc_g, dtype)
-        u = _rounded(acc_u, dtype)
-        act = _rounded(g / (1.0 + tl.exp(-g)), dtype)
-        out = h_ptr + (start + slot).to(tl.int64)[:, None] * stride_ht + cols[None, :]
-        tl.store(out, _rounded(act * u, dtype).to(dtype),
-                 mask=slot_ok[:, None] & col_ok[None, :])
+        _store_act(acc_g, acc_u, h_ptr, h_ptr + (start + slot).to(tl.int64)[:, None] * stride_ht,
+                   slot_ok, cols, col_ok)
 
 
 @triton.jit
@@ -134,10 +169,82 @@ def _down(h_ptr, down_ptr, weights_ptr, out_ptr,        # [T*k, I], [E, H, I], [
             h = tl.load(rows + k[None, :], mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(down + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc += _dot(h, w, DOT_FP32)
+        _store_weighted(acc, out_ptr, weights_ptr, order_ptr, start, slot, slot_ok, cols,
+                        col_ok, stride_ot)
+
+
+@triton.jit
+def _project(acc, rows, num_rows, blocks_ptr, row_start, row_ok, num_groups,
+             FORMAT: tl.constexpr, C: tl.constexpr, BLOCK_T: tl.constexpr,
+             HAS_OFFSET: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc [BLOCK_T, BLOCK_N] + the gathered `rows` ([BLOCK_T, 1] pointers to each
+    slot's input row; the first `num_rows` slots are real) times the quantized weight
+    rows starting at byte offsets `row_start` [BLOCK_N], walking their `num_groups`
+    groups. triton_quant's `_accumulate` reads its tokens' rows at x_ptr + t * stride:
+    here x_ptr is the rows' pointers themselves and the stride 0."""
+    for g in range(0, num_groups):
+        q_lo, q_hi, s_lo, s_hi, o_lo, o_hi, k_lo, k_hi = _decode_group(
+            blocks_ptr, row_start, row_ok, g, FORMAT, C)
+        acc = _accumulate(acc, rows, 0, num_rows, k_lo, q_lo, s_lo, o_lo,
+                          C, BLOCK_T, HAS_OFFSET, USE_DOT, DOT_FP32)
+        acc = _accumulate(acc, rows, 0, num_rows, k_hi, q_hi, s_hi, o_hi,
+                          C, BLOCK_T, HAS_OFFSET, USE_DOT, DOT_FP32)
+    return acc
+
+
+@triton.jit
+def _gate_up_q(x_ptr, gate_ptr, up_ptr, h_ptr,        # [T, H], [E, I, bytes] u8 x2, [T*k, I]
+               listed_ptr, counts_ptr, starts_ptr, order_ptr,  # [S], [E] x2, [T*k]
+               top_k, inter, gate_groups, up_groups,
+               stride_xt, stride_ge, stride_gi, stride_ue, stride_ui, stride_ht,
+               GATE_FORMAT: tl.constexpr, GATE_C: tl.constexpr, GATE_OFFSET: tl.constexpr,
+               UP_FORMAT: tl.constexpr, UP_C: tl.constexpr, UP_OFFSET: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
+               DOT_FP32: tl.constexpr):
+    expert = tl.load(listed_ptr + tl.program_id(0))
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)         # rows of I
+    col_ok = cols < inter
+    count = tl.load(counts_ptr + expert)
+    start = tl.load(starts_ptr + expert)
+    gate = expert.to(tl.int64) * stride_ge + cols.to(tl.int64) * stride_gi  # byte offsets
+    up = expert.to(tl.int64) * stride_ue + cols.to(tl.int64) * stride_ui
+    for first in range(0, count, BLOCK_T):  # once, unless a token names an expert twice
+        slot = first + tl.arange(0, BLOCK_T)
+        slot_ok = slot < count
         pair = tl.load(order_ptr + start + slot, mask=slot_ok, other=0)
-        weight = tl.load(weights_ptr + pair, mask=slot_ok, other=0.0).to(tl.float32)
-        out = out_ptr + pair[:, None] * stride_ot + cols[None, :]
-        tl.store(out, acc * weight[:, None], mask=slot_ok[:, None] & col_ok[None, :])
+        rows = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt  # token rows
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        acc_g = _project(acc, rows, count - first, gate_ptr, gate, col_ok, gate_groups,
+                         GATE_FORMAT, GATE_C, BLOCK_T, GATE_OFFSET, USE_DOT, DOT_FP32)
+        acc_u = _project(acc, rows, count - first, up_ptr, up, col_ok, up_groups,
+                         UP_FORMAT, UP_C, BLOCK_T, UP_OFFSET, USE_DOT, DOT_FP32)
+        _store_act(acc_g, acc_u, h_ptr, h_ptr + (start + slot).to(tl.int64)[:, None] * stride_ht,
+                   slot_ok, cols, col_ok)
+
+
+@triton.jit
+def _down_q(h_ptr, down_ptr, weights_ptr, out_ptr,    # [T*k, I], [E, H, bytes] u8, [T*k], [T*k, H]
+            listed_ptr, counts_ptr, starts_ptr, order_ptr,
+            hidden, down_groups,
+            stride_ht, stride_de, stride_dh, stride_ot,
+            FORMAT: tl.constexpr, C: tl.constexpr, HAS_OFFSET: tl.constexpr,
+            BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
+            DOT_FP32: tl.constexpr):
+    expert = tl.load(listed_ptr + tl.program_id(0))
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)         # rows of H
+    col_ok = cols < hidden
+    count = tl.load(counts_ptr + expert)
+    start = tl.load(starts_ptr + expert)
+    down = expert.to(tl.int64) * stride_de + cols.to(tl.int64) * stride_dh  # byte offsets
+    for first in range(0, count, BLOCK_T):
+        slot = first + tl.arange(0, BLOCK_T)
+        slot_ok = slot < count
+        rows = h_ptr + (start + slot).to(tl.int64)[:, None] * stride_ht
+        acc = _project(tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), rows, count - first,
+                       down_ptr, down, col_ok, down_groups, FORMAT, C, BLOCK_T, HAS_OFFSET,
+                       USE_DOT, DOT_FP32)
+        _store_weighted(acc, out_ptr, weights_ptr, order_ptr, start, slot, slot_ok, cols,
+                        col_ok, stride_ot)
 
 
 def kernel_constants(tokens: int, hidden: int, inter: int, dtype: torch.dtype,
@@ -159,24 +266,33 @@ def kernel_constants(tokens: int, hidden: int, inter: int, dtype: torch.dtype,
     return tiles(inter, hidden), tiles(hidden, inter), 4
 
 
-def _check(x, experts, weights, gate_proj, up_proj, down_proj) -> None:
+def _check_window(x, experts, weights, caller: str) -> None:
+    """The window's checks, shared by both launchers (`caller` names the one in errors)."""
     if x.dim() != 2 or x.dtype not in DTYPES:
         raise ValueError(f"x must be a 2-D float32, bfloat16 or float16 tensor [tokens, "
                          f"hidden], not {x.dtype} of shape {tuple(x.shape)}")
-    tokens, hidden = x.shape
+    tokens = x.shape[0]
     if not 1 <= tokens <= MAX_TOKENS:
-        raise ValueError(f"fused_experts takes 1 to {MAX_TOKENS} tokens, not {tokens}")
+        raise ValueError(f"{caller} takes 1 to {MAX_TOKENS} tokens, not {tokens}")
     if experts.dim() != 2 or experts.shape[0] != tokens or experts.dtype not in (
             torch.int64, torch.int32):
         raise ValueError(f"experts must be an int64 or int32 tensor [{tokens}, top_k], not "
                          f"{experts.dtype} of shape {tuple(experts.shape)}")
     if not 1 <= experts.shape[1] <= MAX_TOP_K:
-        raise ValueError(f"fused_experts takes a top-k of 1 to {MAX_TOP_K}, not "
+        raise ValueError(f"{caller} takes a top-k of 1 to {MAX_TOP_K}, not "
                          f"{experts.shape[1]}")
     if weights.shape != experts.shape or not weights.is_floating_point():
         raise ValueError(f"weights must be a floating tensor of the experts' shape "
                          f"{tuple(experts.shape)}, not {weights.dtype} of shape "
                          f"{tuple(weights.shape)}")
+    for name, t in (("experts", experts), ("weights", weights)):
+        if t.device != x.device:
+            raise ValueError(f"x is on {x.device} but {name} on {t.device}")
+
+
+def _check(x, experts, weights, gate_proj, up_proj, down_proj) -> None:
+    _check_window(x, experts, weights, "fused_experts")
+    hidden = x.shape[1]
     for name, w in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
         if w.dim() != 3 or w.dtype != x.dtype:
             raise ValueError(f"{name} must be a 3-D {x.dtype} tensor, not {w.dtype} of "
@@ -190,14 +306,28 @@ def _check(x, experts, weights, gate_proj, up_proj, down_proj) -> None:
                          f"{tuple(down_proj.shape)}")
     if num_experts == 0 or inter == 0 or hidden == 0:
         raise ValueError("fused_experts needs at least one expert and nonzero sizes")
-    for name, t in (("experts", experts), ("weights", weights), ("gate_proj", gate_proj),
-                    ("up_proj", up_proj), ("down_proj", down_proj)):
+    for name, t in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
         if t.device != x.device:
             raise ValueError(f"x is on {x.device} but {name} on {t.device}")
 
 
 def _inner_contiguous(w: torch.Tensor) -> torch.Tensor:
     return w if w.stride(2) == 1 else w.contiguous()
+
+
+def _route(experts: torch.Tensor, num_experts: int):
+    """The window's pairs grouped by expert, on the device: (counts [E] int32, starts [E]
+    int32 (each expert's first slot), order [T*k] int64 (the pairs by expert, stably),
+    listed [S] int64 (the routed experts first, then unrouted ones as padding))."""
+    pairs = experts.numel()
+    flat = experts.reshape(-1).to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=experts.device).scatter_add_(
+        0, flat, torch.ones(pairs, dtype=torch.int32, device=experts.device))
+    starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).contiguous()
+    order = torch.argsort(flat, stable=True)                              # [T*k] pair ids
+    # The routed experts first (at most S of them), then unrouted ones: S int64 ids.
+    listed = torch.argsort((counts == 0).to(torch.int32), stable=True)
+    return counts, starts, order, listed[:min(num_experts, pairs)]
 
 
 def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
@@ -215,14 +345,7 @@ def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
     pairs = tokens * top_k
     x = x.contiguous()
     gate_proj, up_proj, down_proj = map(_inner_contiguous, (gate_proj, up_proj, down_proj))
-    flat = experts.reshape(-1).to(torch.int64)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
-        0, flat, torch.ones(pairs, dtype=torch.int32, device=x.device))
-    starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).contiguous()
-    order = torch.argsort(flat, stable=True)                              # [T*k] pair ids
-    # The routed experts first (at most S of them), then unrouted ones: S int64 ids.
-    listed = torch.argsort((counts == 0).to(torch.int32), stable=True)
-    listed = listed[:min(num_experts, pairs)]
+    counts, starts, order, listed = _route(experts, num_experts)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     gate_up_constants, down_constants, num_warps = kernel_constants(
@@ -236,4 +359,112 @@ def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
         h, down_proj, weights.reshape(-1).contiguous(), out, listed, counts, starts, order,
         hidden, inter, h.stride(0), down_proj.stride(0), down_proj.stride(1), out.stride(0),
         **down_constants, num_warps=num_warps, num_stages=2)
+    return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+def quantized_constants(tokens: int, dtype: torch.dtype, qtypes: tuple[str, str, str],
+                        hidden: int, inter: int,
+                        device_type: str = "cuda") -> tuple[dict, dict, int]:
+    """(_gate_up_q's constexprs, _down_q's constexprs, num_warps) for a window of `tokens`
+    tokens of `dtype` and experts of `hidden` x `inter` whose gate, up and down are of
+    `qtypes`. The window's tiling (BLOCK_T, tl.dot or a broadcast sum) and each format's
+    run length and offset are triton_quant's gemv's for the same window."""
+    def of(qtype: str) -> dict:
+        return gemv_constants(tokens, dtype, qtype, device_type)[0]
+
+    gate, up, down = map(of, qtypes)
+    window = dict(BLOCK_T=gate["T_PAD"], USE_DOT=gate["USE_DOT"], DOT_FP32=gate["DOT_FP32"])
+
+    def block_n(cols: int) -> int:
+        return min(BLOCK_N, max(16, triton.next_power_of_2(cols)))
+
+    gate_up = dict(GATE_FORMAT=gate["FORMAT"], GATE_C=gate["C"], GATE_OFFSET=gate["HAS_OFFSET"],
+                   UP_FORMAT=up["FORMAT"], UP_C=up["C"], UP_OFFSET=up["HAS_OFFSET"],
+                   BLOCK_N=block_n(inter), **window)
+    down = dict(FORMAT=down["FORMAT"], C=down["C"], HAS_OFFSET=down["HAS_OFFSET"],
+                BLOCK_N=block_n(hidden), **window)
+    return gate_up, down, 4
+
+
+def _quantized(name: str, weight, x: torch.Tensor) -> tuple[torch.Tensor, str, int]:
+    """(blocks, qtype, values per row) of one projection's pair, or a ValueError."""
+    if not (isinstance(weight, (tuple, list)) and len(weight) == 2
+            and isinstance(weight[0], torch.Tensor) and isinstance(weight[1], str)):
+        raise ValueError(f"{name} must be a pair (blocks, qtype), not {type(weight).__name__}")
+    blocks, qtype = weight
+    if qtype not in FORMATS or qtype not in GROUPS:
+        raise ValueError(f"{name}: unsupported quantization type {qtype!r}; supported: "
+                         f"{', '.join(GROUPS)}")
+    fmt = FORMATS[qtype]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 3:
+        raise ValueError(f"{name} blocks must be a 3-D uint8 tensor [experts, rows, row "
+                         f"bytes], not {blocks.dtype} of shape {tuple(blocks.shape)}")
+    if blocks.shape[2] == 0 or blocks.shape[2] % fmt.block_bytes:
+        raise ValueError(f"{name} ({qtype}): a row of {blocks.shape[2]} bytes is not a whole "
+                         f"number of {fmt.block_bytes}-byte blocks")
+    if blocks.stride(2) != 1:
+        raise ValueError(f"{name} blocks must be contiguous along a row")
+    if blocks.device != x.device:
+        raise ValueError(f"x is on {x.device} but {name} on {blocks.device}")
+    return blocks, qtype, blocks.shape[2] // fmt.block_bytes * fmt.block_values
+
+
+def _check_inner(name: str, qtype: str, values: int, size: int, what: str) -> None:
+    """A ValueError unless `name`'s rows of `values` values span `size` (x's hidden size or
+    the experts' intermediate size, `what`)."""
+    block = FORMATS[qtype].block_values
+    if size % block:
+        raise ValueError(f"{name} is {qtype}, whose blocks hold {block} values: the {what} "
+                         f"({size}) must be a multiple of {block}")
+    if values != size:
+        raise ValueError(f"{name}'s rows hold {values} values but the {what} is {size}")
+
+
+def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                            gate: tuple[torch.Tensor, str], up: tuple[torch.Tensor, str],
+                            down: tuple[torch.Tensor, str]) -> torch.Tensor:
+    """`fused_experts` with quantized experts: gate, up and down each a pair (blocks,
+    qtype) of a format of strata/quant/formats.py (each its own), gate and up blocks
+    uint8 [E, I, row bytes of H], down blocks uint8 [E, H, row bytes of I], as the GGUF
+    file stores them -> [T, H] in x's dtype: what `GroupedExperts.forward` computes with
+    the experts dequantized, without a host sync. H and I must be whole blocks of their
+    formats (multiples of 256 for the K-quants, 32 for Q8_0 and Q4_x)."""
+    caller = "fused_experts_quantized"
+    _check_window(x, experts, weights, caller)
+    tokens, hidden = x.shape
+    top_k = experts.shape[1]
+    gate_blocks, gate_qtype, gate_values = _quantized("gate", gate, x)
+    up_blocks, up_qtype, up_values = _quantized("up", up, x)
+    down_blocks, down_qtype, down_values = _quantized("down", down, x)
+    num_experts, inter = gate_blocks.shape[:2]
+    if up_blocks.shape[:2] != (num_experts, inter):
+        raise ValueError(f"gate and up must hold [experts, intermediate] rows alike, not "
+                         f"{tuple(gate_blocks.shape[:2])} and {tuple(up_blocks.shape[:2])}")
+    if down_blocks.shape[:2] != (num_experts, hidden):
+        raise ValueError(f"down must hold [{num_experts}, {hidden}] rows, not "
+                         f"{tuple(down_blocks.shape[:2])}")
+    if num_experts == 0 or inter == 0:
+        raise ValueError(f"{caller} needs at least one expert and nonzero sizes")
+    _check_inner("gate", gate_qtype, gate_values, hidden, "hidden size")
+    _check_inner("up", up_qtype, up_values, hidden, "hidden size")
+    _check_inner("down", down_qtype, down_values, inter, "intermediate size")
+
+    pairs = tokens * top_k
+    x = x.contiguous()
+    counts, starts, order, listed = _route(experts, num_experts)
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    gate_up_constants, down_constants, num_warps = quantized_constants(
+        tokens, x.dtype, (gate_qtype, up_qtype, down_qtype), hidden, inter, x.device.type)
+    _gate_up_q[(listed.shape[0], triton.cdiv(inter, gate_up_constants["BLOCK_N"]))](
+        x, gate_blocks, up_blocks, h, listed, counts, starts, order, top_k, inter,
+        hidden // GROUPS[gate_qtype][0], hidden // GROUPS[up_qtype][0],
+        x.stride(0), gate_blocks.stride(0), gate_blocks.stride(1), up_blocks.stride(0),
+        up_blocks.stride(1), h.stride(0), **gate_up_constants, num_warps=num_warps,
+        num_stages=2)
+    _down_q[(listed.shape[0], triton.cdiv(hidden, down_constants["BLOCK_N"]))](
+        h, down_blocks, weights.reshape(-1).contiguous(), out, listed, counts, starts, order,
+        hidden, inter // GROUPS[down_qtype][0], h.stride(0), down_blocks.stride(0),
+        down_blocks.stride(1), out.stride(0), **down_constants, num_warps=num_warps,
+        num_stages=2)
     return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)

@@ -17,7 +17,8 @@ from strata.quant.formats import FORMATS, BlockFormat
 
 GEMV_MAX_TOKENS = 32
 
-__all__ = ["FORMATS", "BlockFormat", "GEMV_MAX_TOKENS", "matmul", "triton_available"]
+__all__ = ["FORMATS", "BlockFormat", "GEMV_MAX_TOKENS", "dequantize", "matmul",
+           "triton_available"]
 
 
 def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -30,11 +31,21 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
         if 1 <= x2.shape[0] <= GEMV_MAX_TOKENS:
             y = triton_quant.gemv(x2, blocks, qtype)
         else:
-            y = F.linear(x2, triton_quant.dequantize(blocks, qtype, x2.dtype))
+            y = F.linear(x2, dequantize(blocks, qtype, x2.dtype))
     else:
         from strata.quant import reference
         y = reference.matmul(x2, blocks, qtype)
     return y.reshape(*lead, y.shape[-1])
+
+
+def dequantize(blocks: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [out, in] in `dtype` from its blocks [out, row bytes]: a Triton kernel on
+    CUDA, the PyTorch reference elsewhere."""
+    if blocks.is_cuda:
+        from strata.quant import triton_quant
+        return triton_quant.dequantize(blocks, qtype, dtype)
+    from strata.quant import reference
+    return reference.dequantize(blocks, qtype, dtype)
 
 
 def triton_available() -> bool:

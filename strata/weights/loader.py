@@ -102,8 +102,8 @@ def load_module(module: nn.Module, checkpoint, arch: Architecture, *, device: to
                 checkpoint.fill(name, value)
         else:
             stored = read_checked(arch, checkpoint, checkpoint_name(name), param.shape, spec)
-            if spec.quantized and param.dim() == 2 and stored.type in FORMATS \
-                    and not stored.is_torch:
+            if spec.quantized and param.dim() in (2, 3) and stored.type in FORMATS \
+                    and not stored.is_torch:  # a projection, or stacked experts
                 qtype = stored.type
                 value = torch.from_numpy(np.array(stored.data, dtype=np.uint8)).to(device)
             else:

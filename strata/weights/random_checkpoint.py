@@ -85,22 +85,22 @@ class RandomCheckpoint:
 
     def blocks(self, name: str, shape: tuple[int, ...],
                device: torch.device) -> torch.Tensor | None:
-        """Random blocks of this checkpoint's format for projection `name` [out, in]
-        (uint8 [out, row bytes]), or None where it is not quantized (no format, or rows
-        that are not whole blocks)."""
+        """Random blocks of this checkpoint's format for projection `name` [out, in], or
+        stacked experts [E, out, in] (uint8 [..., out, row bytes]); None where it is not
+        quantized (no format, or rows that are not whole blocks)."""
         fmt = FORMATS.get(self.qtype)
-        if fmt is None or len(shape) != 2 or shape[1] % fmt.block_values:
+        if fmt is None or len(shape) not in (2, 3) or shape[-1] % fmt.block_values:
             return None
-        out, n = shape[0], shape[1] // fmt.block_values
+        n = shape[-1] // fmt.block_values
         seed = self.seed + zlib.crc32(name.encode()) % 100_003
         gen = torch.Generator(device=device).manual_seed(seed)
-        raw = torch.randint(0, 256, (out, n, fmt.block_bytes), dtype=torch.uint8,
+        raw = torch.randint(0, 256, (*shape[:-1], n, fmt.block_bytes), dtype=torch.uint8,
                             device=device, generator=gen)
         d, second = _SCALES[fmt.name]
         for offset, value in zip(fmt.scales, (d, d * second if second else None)):
             field = torch.tensor([value], dtype=torch.float16).view(torch.uint8)
-            raw[:, :, offset:offset + 2] = field.to(device)
-        return raw.reshape(out, n * fmt.block_bytes)
+            raw[..., offset:offset + 2] = field.to(device)
+        return raw.reshape(*shape[:-1], n * fmt.block_bytes)
 
     def read(self, name: str):
         raise StrataError("a random-weight model has no stored tensors")
