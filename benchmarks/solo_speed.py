@@ -64,7 +64,10 @@ def main() -> int:
     settings = (f"devices={','.join(config.devices)} dtype={config.torch_dtype()} "
                 f"kv={config.kv_dtype()} split={list(config.layer_split) or '-'} spec={config.spec} "
                 f"threads={torch.get_num_threads()}")
-    print(f"machine: {machine()}\ncommit: {commit()}\nmodel: {model}\nsettings: {settings}\n")
+    weights = [f"stage {s.index}: {s.weights.describe()}"
+               for s in getattr(engine.runner, "stages", []) if s.weights is not None]
+    print(f"machine: {machine()}\ncommit: {commit()}\nmodel: {model}\nsettings: {settings}")
+    print("weights: " + ("; ".join(weights) or "in the stage processes (see their log)") + "\n")
     print(markdown_table(
         ["prompt tokens", "decode tokens", "prefill tok/s (median)", "decode tok/s (median)"],
         [[args.prompt_tokens, args.decode_tokens, f"{statistics.median(prefill):.0f}",
@@ -72,7 +75,7 @@ def main() -> int:
     record(args, {
         "benchmark": "solo_speed", "model": model, "settings": settings,
         "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
-        "prefill_tok_s": prefill, "decode_tok_s": decode})
+        "prefill_tok_s": prefill, "decode_tok_s": decode, "weights": weights})
     return 0
 
 

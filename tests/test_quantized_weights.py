@@ -40,6 +40,7 @@ def test_default_model_kept_quantized_gives_the_same_tokens(gguf_path, default_c
     assert kept == {"Q4_1", "Q8_0"}  # the projections, and lm_head tied to the embedding
     assert module.model.embed_tokens.weight.dtype == torch.float32
     assert "121 weights (120 Q4_1, 1 Q8_0) stay quantized" in caplog.text  # q, k, v as one
+    assert quantized.runner.stages[0].weights.quantized == {"Q4_1": 120, "Q8_0": 1}
     assert quantized.generate(PROMPTS, greedy) == dense
     drafted = Engine(EngineConfig(**{**config.__dict__, "quantized_weights": "on", "spec": 4,
                                      "spec_type": ("lookup",)}), blocks)

@@ -29,7 +29,7 @@ from strata.models.registry import Architecture, get_architecture
 from strata.scheduler.window import WindowHeader
 from strata.stage.buckets import WindowShape, bucket_sizes
 from strata.stage.graphs import GraphCall, StageGraphs
-from strata.weights.loader import load_module
+from strata.weights.loader import LoadStats, load_module
 
 log = logging.getLogger("strata.engine")
 
@@ -78,6 +78,7 @@ class Stage:
         self.index, self.layers, self.device, self.dtype = index, layers, device, dtype
         self.arch, self.cache_size = arch, cache_size
         self.graphs: StageGraphs | None = None  # set by capture_graphs()
+        self.weights: LoadStats | None = None   # set by load(): what stays quantized
         last = index == num_stages - 1
         with torch.device("meta"):  # parameters are materialised one by one by load()
             self.module = StageModule(arch, *layers, first=index == 0, last=last,
@@ -98,10 +99,11 @@ class Stage:
         """Read this stage's tensors from the checkpoint (shapes checked), each placed on the
         stage's device as its spec says. The MTP head's names are the checkpoint's after
         `mtp.`."""
-        stats = load_module(self.module, checkpoint, self.arch, device=self.device,
-                            dtype=self.dtype, progress=progress,
-                            checkpoint_name=lambda name: name.removeprefix("mtp."))
-        log.info("stage %d weights on %s: %s", self.index, self.device, stats.describe())
+        self.weights = load_module(self.module, checkpoint, self.arch, device=self.device,
+                                   dtype=self.dtype, progress=progress,
+                                   checkpoint_name=lambda name: name.removeprefix("mtp."))
+        log.info("stage %d weights on %s: %s", self.index, self.device,
+                 self.weights.describe())
 
     def capture_graphs(self, config: EngineConfig) -> None:
         """Capture this stage's forward as CUDA graphs (--cuda-graphs) for windows of up
