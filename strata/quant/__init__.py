@@ -5,7 +5,9 @@ multiplied without a dense copy of the weight.
 GEMV-style kernel for windows of up to GEMV_MAX_TOKENS tokens, which reads the weight once
 for all of them; for larger windows, prompt chunks, a dequantize kernel then one GEMM); on
 other devices the PyTorch reference (reference.py), which dequantizes per call: correct,
-slow, and the tests' ground truth beside `gguf`'s own dequantize.
+slow, and the tests' ground truth beside `gguf`'s own dequantize. `dequantize` makes one
+weight dense the same way (Triton on CUDA, the reference elsewhere): the grouped MoE path
+uses it for each routed expert.
 """
 
 from __future__ import annotations
