@@ -139,3 +139,35 @@ def test_moe_experts_kept_quantized_give_the_same_tokens(tiny_models):
     drafted = Engine(dataclasses.replace(config, quantized_weights="on", spec=4,
                                          spec_type=("lookup",)), checkpoint)
     assert drafted.generate(batch, greedy) == dense and drafted.draft_stats.drafted > 0
+
+
+def test_experts_of_mixed_kinds_take_the_grouped_path():
+    """A file may keep gate and up in a supported block format but down in one that is
+    dequantized at load: such experts are not fusable, and the grouped path multiplies each
+    projection as it is kept."""
+    from strata.layers.moe import GroupedExperts
+
+    g = torch.Generator().manual_seed(0)
+    experts = GroupedExperts(64, 32, 4)
+    dense = {n: torch.randn(4, *getattr(experts, n).shape[1:], generator=g) * 0.1
+             for n in ("gate_proj", "up_proj", "down_proj")}
+    for n, w in dense.items():
+        setattr(experts, n, torch.nn.Parameter(w, requires_grad=False))
+    assert experts.fusable
+    x = torch.randn(5, 64, generator=g)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2]])
+    weights = torch.full((5, 2), 0.5)
+    expected = experts(x, ids, weights)
+    for n in ("gate_proj", "up_proj"):
+        raw = gguf.quants.quantize(dense[n].numpy(), gguf.GGMLQuantizationType.Q8_0)
+        blocks = torch.nn.Parameter(torch.from_numpy(raw), requires_grad=False)
+        blocks.qtype = "Q8_0"
+        setattr(experts, n, blocks)
+        dense[n] = reference.dequantize(blocks.reshape(-1, raw.shape[-1]), "Q8_0").view(
+            dense[n].shape)
+    assert not experts.fusable and experts.capture_limit == 0
+    plain = GroupedExperts(64, 32, 4)
+    for n, w in dense.items():
+        setattr(plain, n, torch.nn.Parameter(w, requires_grad=False))
+    torch.testing.assert_close(experts(x, ids, weights), plain(x, ids, weights))
+    torch.testing.assert_close(experts(x, ids, weights), expected, atol=2e-2, rtol=0)

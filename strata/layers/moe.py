@@ -130,6 +130,17 @@ class GroupedExperts(nn.Module):
         """Largest window (tokens) a CUDA graph may capture: the fused path's, where it runs."""
         return FUSED_MAX_TOKENS if self._fused_runs(self.gate_proj) else 0
 
+    @property
+    def fusable(self) -> bool:
+        """The three projections are alike, all dense or all in GGUF blocks (a file may
+        store one in a type that is dequantized at load: the grouped path takes those)."""
+        return len({w.dtype == torch.uint8
+                    for w in (self.gate_proj, self.up_proj, self.down_proj)}) == 1
+
+    def _fused_runs(self, t: torch.Tensor) -> bool:
+        """The fused path runs for these weights on `t`'s device (CUDA with triton)."""
+        return self.fusable and t.is_cuda and triton_available()
+
     def forward(self, x: torch.Tensor, experts: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
         path = self.path
@@ -145,10 +156,6 @@ class GroupedExperts(nn.Module):
             return moe_triton.fused_experts(x, experts, weights, self.gate_proj, self.up_proj,
                                             self.down_proj)
         return self.grouped(x, experts, weights)
-
-    @staticmethod
-    def _fused_runs(t: torch.Tensor) -> bool:
-        return t.is_cuda and triton_available()
 
     def grouped(self, x: torch.Tensor, experts: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:

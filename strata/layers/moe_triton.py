@@ -111,17 +111,24 @@ def _store_weighted(acc, out_ptr, weights_ptr, order_ptr, start, slot, slot_ok, 
 
 
 @triton.jit
+def _program_tile(listed_ptr, counts_ptr, starts_ptr, num_cols, BLOCK_N: tl.constexpr):
+    """This program's expert (grid axis 0 walks the listed experts), its pairs' count and
+    first slot, and its tile of BLOCK_N output columns (axis 1) with their mask."""
+    expert = tl.load(listed_ptr + tl.program_id(0))
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return (expert, tl.load(counts_ptr + expert), tl.load(starts_ptr + expert), cols,
+            cols < num_cols)
+
+
+@triton.jit
 def _gate_up(x_ptr, gate_ptr, up_ptr, h_ptr,           # [T, H], [E, I, H] x2, [T*k, I]
              listed_ptr, counts_ptr, starts_ptr, order_ptr,  # [S], [E] x2, [T*k]
              top_k, hidden, inter,
              stride_xt, stride_ge, stride_gi, stride_ue, stride_ui, stride_ht,
              BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              DOT_FP32: tl.constexpr):
-    expert = tl.load(listed_ptr + tl.program_id(0))
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)         # rows of I
-    col_ok = cols < inter
-    count = tl.load(counts_ptr + expert)
-    start = tl.load(starts_ptr + expert)
+    expert, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr,
+                                                       inter, BLOCK_N)  # cols: rows of I
     gate = gate_ptr + expert.to(tl.int64) * stride_ge + cols.to(tl.int64)[None, :] * stride_gi
     up = up_ptr + expert.to(tl.int64) * stride_ue + cols.to(tl.int64)[None, :] * stride_ui
     for first in range(0, count, BLOCK_T):  # once, unless a token names an expert twice
@@ -152,11 +159,8 @@ def _down(h_ptr, down_ptr, weights_ptr, out_ptr,        # [T*k, I], [E, H, I], [
           stride_ht, stride_de, stride_dh, stride_ot,
           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           DOT_FP32: tl.constexpr):
-    expert = tl.load(listed_ptr + tl.program_id(0))
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)         # rows of H
-    col_ok = cols < hidden
-    count = tl.load(counts_ptr + expert)
-    start = tl.load(starts_ptr + expert)
+    expert, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr,
+                                                       hidden, BLOCK_N)  # cols: rows of H
     down = down_ptr + expert.to(tl.int64) * stride_de + cols.to(tl.int64)[None, :] * stride_dh
     for first in range(0, count, BLOCK_T):
         slot = first + tl.arange(0, BLOCK_T)
@@ -201,11 +205,8 @@ def _gate_up_q(x_ptr, gate_ptr, up_ptr, h_ptr,        # [T, H], [E, I, bytes] u8
                UP_FORMAT: tl.constexpr, UP_C: tl.constexpr, UP_OFFSET: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
                DOT_FP32: tl.constexpr):
-    expert = tl.load(listed_ptr + tl.program_id(0))
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)         # rows of I
-    col_ok = cols < inter
-    count = tl.load(counts_ptr + expert)
-    start = tl.load(starts_ptr + expert)
+    expert, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr,
+                                                       inter, BLOCK_N)  # cols: rows of I
     gate = expert.to(tl.int64) * stride_ge + cols.to(tl.int64) * stride_gi  # byte offsets
     up = expert.to(tl.int64) * stride_ue + cols.to(tl.int64) * stride_ui
     for first in range(0, count, BLOCK_T):  # once, unless a token names an expert twice
@@ -230,11 +231,8 @@ def _down_q(h_ptr, down_ptr, weights_ptr, out_ptr,    # [T*k, I], [E, H, bytes] 
             FORMAT: tl.constexpr, C: tl.constexpr, HAS_OFFSET: tl.constexpr,
             BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
             DOT_FP32: tl.constexpr):
-    expert = tl.load(listed_ptr + tl.program_id(0))
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)         # rows of H
-    col_ok = cols < hidden
-    count = tl.load(counts_ptr + expert)
-    start = tl.load(starts_ptr + expert)
+    expert, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr,
+                                                       hidden, BLOCK_N)  # cols: rows of H
     down = expert.to(tl.int64) * stride_de + cols.to(tl.int64) * stride_dh  # byte offsets
     for first in range(0, count, BLOCK_T):
         slot = first + tl.arange(0, BLOCK_T)

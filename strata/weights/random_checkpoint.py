@@ -78,10 +78,13 @@ class RandomCheckpoint:
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:
-            # NOTE: crc32, not hash(): the same weights in every process (PYTHONHASHSEED)
-            seed = self.seed + zlib.crc32(name.encode()) % 100_003
-            gen = torch.Generator(device=param.device).manual_seed(seed)
-            param.normal_(0.0, 0.02, generator=gen)
+            param.normal_(0.0, 0.02, generator=self._generator(name, param.device))
+
+    def _generator(self, name: str, device: torch.device) -> torch.Generator:
+        """Parameter `name`'s random stream. NOTE: crc32, not hash(): the same weights in
+        every process (PYTHONHASHSEED)."""
+        seed = self.seed + zlib.crc32(name.encode()) % 100_003
+        return torch.Generator(device=device).manual_seed(seed)
 
     def blocks(self, name: str, shape: tuple[int, ...],
                device: torch.device) -> torch.Tensor | None:
@@ -92,10 +95,8 @@ class RandomCheckpoint:
         if fmt is None or len(shape) not in (2, 3) or shape[-1] % fmt.block_values:
             return None
         n = shape[-1] // fmt.block_values
-        seed = self.seed + zlib.crc32(name.encode()) % 100_003
-        gen = torch.Generator(device=device).manual_seed(seed)
         raw = torch.randint(0, 256, (*shape[:-1], n, fmt.block_bytes), dtype=torch.uint8,
-                            device=device, generator=gen)
+                            device=device, generator=self._generator(name, device))
         d, second = _SCALES[fmt.name]
         for offset, value in zip(fmt.scales, (d, d * second if second else None)):
             field = torch.tensor([value], dtype=torch.float16).view(torch.uint8)
