@@ -96,7 +96,7 @@ def test_a_slot_with_drafts_sits_out_the_window_ahead_and_the_others_go_on():
     a, b, c = make(3, max_tokens=20), make(5, max_tokens=20), make(4, max_tokens=20)
     sched = Scheduler(num_slots=3, max_context=64, max_window_tokens=32, block_size=4,
                       drafts=DraftPolicy([DraftsFor(a)], token_cost=0.05), ahead=True,
-                      window_cost=1.0)
+                      window_cost=0.4)  # sitting out to draft: 0.95 after the guess > 2 x 0.4
     for r in (a, b, c):
         sched.add(r)
     prompts = sched.schedule()
@@ -218,6 +218,45 @@ def test_a_draft_must_be_worth_the_window():
     assert policy.draft(request, 8).tokens == [1, 2, 3]  # gain 0.45 + 0.2 + 0.05
     assert policy.draft(request, 8, window_cost=0.6).tokens == [1, 2, 3]
     assert policy.draft(request, 8, window_cost=0.75) is None
+    # A draft guessing the token in flight (known=1): only its later tokens are gain.
+    assert policy.draft(request, 8, window_cost=0.2, known=1).tokens == [1, 2, 3]  # 0.25
+    assert policy.draft(request, 8, window_cost=0.3, known=1) is None
+    assert policy.draft(request, 1, known=1) is None  # nothing after the guess
+
+
+def test_a_slot_sits_out_to_draft_only_for_what_follows_the_guess():
+    """A slot decides to sit out the window built ahead (to carry drafts in the next) on a
+    draft whose first token guesses the token in flight: the policy is asked to count
+    only the tokens after it, against two windows sat out."""
+    from strata.drafting.policy import DraftPolicy
+
+    class Quiet:
+        name, on_last_stage = "quiet", False
+
+        def start(self, request_id, prompt): pass
+        def extend(self, request_id, tokens, stage_drafts=None): pass
+        def finish(self, request_id): pass
+
+    asked = []
+
+    class Recording(DraftPolicy):
+        def draft(self, request, room, window_cost=0.0, known=0):
+            asked.append((window_cost, known))
+            return None
+
+    sched = Scheduler(num_slots=2, max_context=32, max_window_tokens=16, block_size=4,
+                      drafts=Recording([Quiet()], 0.05), ahead=True, window_cost=1.5)
+    sched.add(make(3, max_tokens=8))
+    sched.add(make(4, max_tokens=8))
+    prompt = sched.schedule()
+    sched.commit(prompt, [[7], [7]])
+    asked.clear()
+    decoding = sched.schedule()
+    assert decoding.header.query_lens == [1, 1] and asked == [(1.5, 0), (1.5, 0)]
+    asked.clear()
+    ahead = sched.schedule_ahead()
+    assert ahead is not None and ahead.header.carry_rows == [0, 1]
+    assert asked == [(3.0, 1), (3.0, 1)]
 
 
 def test_schedule_ahead_setting_resolves_and_checks():

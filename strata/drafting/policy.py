@@ -7,13 +7,16 @@ more token in the window, as a fraction of a one-token window). The draft is cut
 the next token is worth less than it costs, and the proposer with the larger net gain
 wins. A caller may also price drafting itself (`window_cost`: what the slot loses by
 carrying drafts at all, when windows are built ahead: it sits one out): a draft whose net
-gain does not exceed it is not sent. The policy also forwards each request's lifecycle to
-every proposer.
+gain does not exceed it is not sent. With `pricing` (`--spec-pricing measured`, pricing.py)
+drafting is also charged what the engine's steps show it costs now: a drafted entry's
+price is added to the window cost, and a token costs the larger of its measured price and
+`--spec-token-cost`. The policy also forwards each request's lifecycle to every proposer.
 """
 
 from __future__ import annotations
 
 from strata.drafting.draft import Draft
+from strata.drafting.pricing import DraftPricing
 from strata.drafting.proposer import Proposer
 from strata.request import DraftStats, Request
 
@@ -25,9 +28,11 @@ MAX_RATE = 2.0        # scores that prove pessimistic may be trusted up to twice
 
 
 class DraftPolicy:
-    def __init__(self, proposers: list[Proposer], token_cost: float):
+    def __init__(self, proposers: list[Proposer], token_cost: float,
+                 pricing: DraftPricing | None = None):
         self.proposers = proposers
         self.token_cost = token_cost
+        self.pricing = pricing  # measured prices (None: the fixed costs alone)
         self._acceptance: dict[tuple[str, str], float] = {}
         self.stats = DraftStats()  # all requests together
 
@@ -59,11 +64,18 @@ class DraftPolicy:
             del self._acceptance[key]
 
     # -- drafting -------------------------------------------------------------------------
-    def draft(self, request: Request, room: int, window_cost: float = 0.0) -> Draft | None:
+    def draft(self, request: Request, room: int, window_cost: float = 0.0,
+              known: int = 0) -> Draft | None:
         """The best draft for the request's next window, at most `room` tokens (each
-        proposer also keeps to its own limit), if its net gain exceeds `window_cost`."""
+        proposer also keeps to its own limit), if its net gain exceeds `window_cost`.
+        `known`: the draft's first tokens come anyway (a window in flight computes them:
+        the draft is a guess of its token), so only the tokens after them count as gain."""
         if room <= 0:
             return None
+        token_cost = self.token_cost
+        if self.pricing is not None:
+            window_cost += self.pricing.entry_cost
+            token_cost = max(token_cost, self.pricing.token_cost)
         best, best_gain = None, window_cost
         for p in self.proposers:
             draft = p.propose(request.request_id, room)
@@ -76,11 +88,12 @@ class DraftPolicy:
             length, gain = 0, 0.0
             for score in draft.scores[:room]:
                 worth = min(1.0, rate * score)
-                if worth <= self.token_cost:
+                if worth <= token_cost:
                     break
+                if length >= known:
+                    gain += worth - token_cost
                 length += 1
-                gain += worth - self.token_cost
-            if length and gain > best_gain:
+            if length > known and gain > best_gain:
                 best = Draft(draft.tokens[:length], draft.scores[:length], p.name)
                 best_gain = gain
         return best
@@ -110,7 +123,8 @@ class SimulatedPolicy(DraftPolicy):
     def enabled(self) -> bool:
         return self.max_tokens > 0
 
-    def draft(self, request: Request, room: int, window_cost: float = 0.0) -> Draft | None:
+    def draft(self, request: Request, room: int, window_cost: float = 0.0,
+              known: int = 0) -> Draft | None:
         length = min(room, self.max_tokens)
         if length <= 0:
             return None

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from strata.config import EngineConfig
 from strata.drafting.policy import DraftPolicy, SimulatedPolicy
+from strata.drafting.pricing import DraftPricing
 from strata.drafting.proposer import Proposer
 from strata.errors import StrataError
 from strata.models.config import ModelConfig
@@ -56,4 +57,5 @@ def build_policy(config: EngineConfig, model: ModelConfig) -> DraftPolicy | None
             raise StrataError(f"--spec-type {name} is not available for this model; "
                               f"available: {', '.join(supported(model))}")
     proposers = [p for p in (PROPOSERS[name](config) for name in names) if p is not None]
-    return DraftPolicy(proposers, config.spec_token_cost)
+    pricing = DraftPricing() if config.spec_pricing == "measured" else None
+    return DraftPolicy(proposers, config.spec_token_cost, pricing)

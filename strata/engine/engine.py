@@ -14,6 +14,7 @@ import time
 import torch
 
 from strata.config import EngineConfig
+from strata.drafting.pricing import StepMeter
 from strata.drafting.registry import build_policy
 from strata.errors import StrataError
 from strata.kvcache.spec import state_rows_per_slot
@@ -74,8 +75,10 @@ class Engine:
                                    state_rows_per_slot=rows_per_slot,
                                    ahead=schedules_ahead(config),
                                    window_cost=config.spec_window_cost)
-        self.draft_stats = (self.scheduler.drafts.stats if self.scheduler.drafts is not None
-                            else DraftStats())  # every request's drafts together
+        drafts = self.scheduler.drafts
+        self.draft_stats = drafts.stats if drafts is not None else DraftStats()  # all requests
+        pricing = drafts.pricing if drafts is not None else None
+        self.meter = StepMeter(pricing) if pricing is not None else None  # feeds it
         if config.stage_processes:
             from strata.pipeline.runner import PipelineRunner
             runner = PipelineRunner
@@ -120,10 +123,15 @@ class Engine:
         after step(), so that work overlaps the windows' compute."""
         start = time.perf_counter()
         while (window := self.scheduler.schedule()) is not None:
-            self.runner.submit(window)
+            self._submit(window, start)
         while (window := self.scheduler.schedule_ahead()) is not None:
-            self.runner.submit(window)
+            self._submit(window, start)
         self.scheduler_seconds += time.perf_counter() - start
+
+    def _submit(self, window, start: float) -> None:
+        if self.meter is not None:
+            self.meter.launched(window, start, idle=self.runner.num_in_flight == 0)
+        self.runner.submit(window)
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
@@ -138,6 +146,8 @@ class Engine:
         commit = time.perf_counter()
         for stage, seconds in enumerate(result.stage_seconds):
             self.stage_seconds[stage] += seconds
+        if self.meter is not None:
+            self.meter.committed(window, result.tokens, commit)
         updated = self.scheduler.commit(window, result.tokens, result.stage_drafts,
                                         result.errors, result.logprobs)
         self.scheduler_seconds += (collect - start) + (time.perf_counter() - commit)

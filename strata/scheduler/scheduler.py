@@ -18,7 +18,9 @@ carry_rows). A slot that carries drafts in the first sits the second out (which 
 pass decides where it goes on) and is back in the third, with its tokens known by then.
 So one slot's drafts never hold up the others' windows. A draft must gain more than
 `window_cost` (the window its slot sits out), and a slot whose proposers, asked on the
-context it has, would draft sits out the window ahead so that it carries them in the next.
+context it has, would draft sits out the window ahead so that it carries them in the next
+(that draft guesses the token in flight with its first token, so only the rest counts,
+and must gain two windows' cost: the one sat out to carry it, the one after).
 If the first window ends a request (EOS, a stop id), the second window's entry for it is
 dropped at commit, like an aborted one's.
 
@@ -184,12 +186,15 @@ class Scheduler:
 
     def _would_draft(self, slot: Slot) -> bool:
         """Would the slot's proposers draft, on the context the slot has now (one token
-        short of the next window's)? Then it sits the next window out to carry them."""
+        short of the next window's)? Then it sits the next window out to carry them.
+        Their draft's first token is a guess of the token in flight, so only the tokens
+        after it count, and they must pay for two windows sat out: this one, and the
+        one after the drafted window."""
         if self.drafts is None:
             return False
         with self._isolated(slot):
             return self.drafts.draft(slot.request, self._room(slot, self.max_window_tokens),
-                                     self.window_cost) is not None
+                                     2 * self.window_cost, known=1) is not None
         return True  # its proposer failed: the slot is free, the group changed
 
     def _continues(self, request: Request) -> bool:

@@ -331,6 +331,8 @@ class AsyncEngine:
                 self.metrics.window_seconds.observe(time.perf_counter() - start)
                 self._send([d for d in map(self._push, updated) if d is not None])
                 self.metrics.observe_drafts(engine.draft_stats)
+                if engine.meter is not None:
+                    self.metrics.observe_pricing(engine.meter.pricing)
                 self.metrics.observe_stages(engine.stage_seconds, engine.scheduler_seconds)
             self.metrics.queue_length.set(len(engine.scheduler.waiting))
             self.metrics.slots_used.set(engine.scheduler.num_running)

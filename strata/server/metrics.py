@@ -37,6 +37,10 @@ class Metrics:
         self.scheduler_busy = Counter("strata_scheduler_busy_seconds",
                                       "Engine time scheduling, sending and committing "
                                       "windows (not waiting for results)", registry=r)
+        self.draft_price = Gauge("strata_draft_price_tokens",
+                                 "What drafting costs now, measured (--spec-pricing measured): "
+                                 "a drafted entry and a drafted token, in tokens", ["per"],
+                                 registry=r)
         self._seen: dict[str, tuple[int, int]] = {}
         self._stage_seen: list[float] = []
         self._scheduler_seen = 0.0
@@ -50,6 +54,11 @@ class Metrics:
             if s.accepted > accepted:
                 self.draft_accepted.labels(name).inc(s.accepted - accepted)
             self._seen[name] = (s.drafted, s.accepted)
+
+    def observe_pricing(self, pricing) -> None:
+        """The measured draft prices (a DraftPricing) as they stand."""
+        self.draft_price.labels("entry").set(pricing.entry_cost)
+        self.draft_price.labels("token").set(pricing.token_cost)
 
     def observe_stages(self, seconds: list[float], scheduler: float = 0.0) -> None:
         """Add each stage's compute seconds (and the scheduler's) gained since the last
