@@ -69,6 +69,28 @@ def assert_matches(y: torch.Tensor, ref: torch.Tensor):
                                atol=tol * ref.float().abs().max().item())
 
 
+@pytest.mark.parametrize("tokens,top_k,num_experts", [
+    (1, 8, 128), (3, 2, 8), (32, 10, 512), (7, 4, 60), (32, 8, 16), (5, 1, 1)])
+def test_routing_groups_pairs_as_a_stable_sort(tokens, top_k, num_experts):
+    """`_route`'s one program equals the PyTorch it replaced: counts by scatter_add_,
+    starts by cumsum, order by a stable argsort of the pairs' experts, listed by a stable
+    argsort of (count == 0) cut to min(E, T*k); with repeated experts in a window, many
+    tokens on few experts and expert counts that are not powers of two."""
+    g = torch.Generator().manual_seed(tokens * 1000 + num_experts)
+    experts = torch.randint(0, num_experts, (tokens, top_k), generator=g)
+    if num_experts >= top_k:  # top-k routing names distinct experts per token
+        experts = torch.rand(tokens, num_experts, generator=g).topk(top_k, dim=-1).indices
+    counts, starts, order, listed = moe_triton._route(experts, num_experts)
+    flat = experts.reshape(-1)
+    want_counts = torch.bincount(flat, minlength=num_experts).to(torch.int32)
+    assert torch.equal(counts, want_counts)
+    assert torch.equal(starts, torch.cumsum(want_counts, 0, dtype=torch.int32) - want_counts)
+    assert order.dtype == torch.int64 and torch.equal(order, torch.argsort(flat, stable=True))
+    want_listed = torch.argsort((want_counts == 0).to(torch.int32), stable=True)
+    assert listed.dtype == torch.int64
+    assert torch.equal(listed, want_listed[:min(num_experts, flat.numel())])
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("top_k", [2, 8])
@@ -195,7 +217,8 @@ def test_the_host_code_never_syncs():
     called = {node.func.attr if isinstance(node.func, ast.Attribute) else
               getattr(node.func, "id", None) for node in ast.walk(tree)
               if isinstance(node, ast.Call)}
-    assert "scatter_add_" in called and "argsort" in called
+    assert "_route_pairs" in {getattr(n.value, "id", None) for n in ast.walk(tree)
+                              if isinstance(n, ast.Subscript)}  # the grouping: one launch
     assert not called & banned
 
 
@@ -209,7 +232,7 @@ def compile_offline(arch: int, tokens: int, dtype, hidden: int = 2048, inter: in
     from triton.runtime.jit import JITFunction
 
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    gate_up, down, num_warps = moe_triton.kernel_constants(tokens, hidden, inter, dtype)
+    gate_up, down, launch = moe_triton.kernel_constants(tokens, hidden, inter, dtype)
     compiled = []
     for kernel, constants in ((moe_triton._gate_up, gate_up), (moe_triton._down, down)):
         fn = kernel.fn  # the Python function under jit or interpreter
@@ -222,9 +245,28 @@ def compile_offline(arch: int, tokens: int, dtype, hidden: int = 2048, inter: in
                                "*" + names[dtype] if name.endswith("_ptr") else "i32")
         compiled.append(triton.compile(
             ASTSource(fn=JITFunction(fn), signature=signature, constexprs=constants),
-            target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps,
-                                                             num_stages=2)))
+            target=GPUTarget("cuda", arch, 32), options=launch))
     return compiled
+
+
+def compile_route(arch: int, pairs: int = 320, experts: int = 512):
+    """`_route_pairs` as the launcher passes it for `pairs` pairs of `experts` experts
+    (32 tokens at top-10 of 512 by default), compiled for compute capability `arch`."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    fn = moe_triton._route_pairs.fn
+    constants = dict(PAIRS=triton.next_power_of_2(pairs), EXPERTS=experts,
+                     CHUNK=moe_triton.ROUTE_CHUNK)
+    signature = {name: ("constexpr" if name in constants else
+                        "*i64" if name in ("experts_ptr", "order_ptr", "listed_ptr") else
+                        "*i32" if name.endswith("_ptr") else "i32")
+                 for name in inspect.signature(fn).parameters}
+    return triton.compile(ASTSource(fn=JITFunction(fn), signature=signature,
+                                    constexprs=constants),
+                          target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
 
 
 COMPILED = [("bfloat16", 1), ("bfloat16", 32), ("float32", 32)]
@@ -236,11 +278,13 @@ def test_the_kernels_compile_for_rtx3090_and_h200(tmp_path):
     without a GPU. In a fresh process, since the compiler cannot run where the
     interpreter is chosen."""
     code = ("import torch; from test_moe_triton import COMPILED, compile_offline\n"
+            "from test_moe_triton import compile_route\n"
             "for arch in (86, 90):\n"
             "    print(*[k.metadata.shared for d, t in COMPILED\n"
-            "            for k in compile_offline(arch, t, getattr(torch, d))])")
+            "            for k in compile_offline(arch, t, getattr(torch, d))])\n"
+            "    print(compile_route(arch).metadata.shared)")
     shared = offline_compiled(code, tmp_path)
-    assert len(shared) == 2 * 2 * len(COMPILED)
+    assert len(shared) == 2 * (2 * len(COMPILED) + 1)
     assert max(shared) <= SM86_SHARED
 
 

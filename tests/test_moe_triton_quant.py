@@ -185,7 +185,7 @@ def compile_offline(arch: int, qtypes: tuple[str, str, str], tokens: int, dtype,
     from triton.runtime.jit import JITFunction
 
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    gate_up, down, num_warps = moe_triton.quantized_constants(tokens, dtype, qtypes, hidden,
+    gate_up, down, launch = moe_triton.quantized_constants(tokens, dtype, qtypes, hidden,
                                                               inter)
     compiled = []
     for kernel, constants in ((moe_triton._gate_up_q, gate_up), (moe_triton._down_q, down)):
@@ -200,8 +200,7 @@ def compile_offline(arch: int, qtypes: tuple[str, str, str], tokens: int, dtype,
                                "*" + names[dtype] if name.endswith("_ptr") else "i32")
         compiled.append(triton.compile(
             ASTSource(fn=JITFunction(fn), signature=signature, constexprs=constants),
-            target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps,
-                                                             num_stages=2)))
+            target=GPUTarget("cuda", arch, 32), options=launch))
     return compiled
 
 

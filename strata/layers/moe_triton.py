@@ -3,12 +3,14 @@ result as `GroupedExperts.forward` (moe.py), reading only the experts that the w
 tokens route to, each of them once for all its tokens.
 
 Design. The window's T*k token-expert pairs (pair p = t*k + j routes token t to expert
-experts[t, j]) are grouped by expert on the device: counts per expert by `scatter_add_`
-into zeros(E), the pairs' order by a stable argsort of their experts, and each expert's
-first slot by an exclusive cumsum of the counts. At most S = min(E, T*k) experts have
-pairs: a stable argsort of (count == 0) lists them first, and its first S entries (the
-routed experts, then unrouted ones as padding) name the experts of the grids' first axis.
-Two kernels follow, one program per (listed expert, tile of BLOCK_N output columns):
+experts[t, j]) are grouped by expert on the device, by one program (`_route_pairs`): each
+expert's count, each expert's first slot (an exclusive cumsum of the counts), the pairs in
+expert order (each pair's slot is its rank among the pairs by (expert, index): a stable
+sort), and the routed experts listed first. At most S = min(E, T*k) experts have pairs:
+the first S listed (the routed experts in id order, then unrouted ones as padding) name
+the experts of the grids' first axis. (As six PyTorch ops — scatter_add_, cumsum, two
+argsorts — the grouping took 35 us of a 1-token window's 73 on the H200.) Two kernels
+follow, one program per (listed expert, tile of BLOCK_N output columns):
 
     _gate_up  grid (S, cdiv(I, BLOCK_N)): the expert's pairs' token rows [BLOCK_T, BLOCK_K]
               times its gate and up tiles, walking H BLOCK_K at a time, so each weight
@@ -64,6 +66,10 @@ MAX_TOKENS = 32   # the largest window
 MAX_TOP_K = 10
 BLOCK_N = 64      # output columns per program
 BLOCK_K = 64      # inner-dimension step
+NUM_WARPS = 4
+NUM_STAGES = 4    # pipelined loads of 16-bit tiles (H200: 73 vs 96 us a 1-token window)
+NUM_STAGES_FP32 = 2  # fp32 tiles are twice the bytes: 2 stages fit SM86's shared memory
+QUANT_STAGES = 2
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -246,11 +252,12 @@ def _down_q(h_ptr, down_ptr, weights_ptr, out_ptr,    # [T*k, I], [E, H, bytes] 
 
 
 def kernel_constants(tokens: int, hidden: int, inter: int, dtype: torch.dtype,
-                     device_type: str = "cuda") -> tuple[dict, dict, int]:
-    """(_gate_up's constexprs, _down's constexprs, num_warps) for a window of `tokens`
-    tokens of `dtype` and experts of `hidden` x `inter`. A gate/up step reads two
-    [BLOCK_K, BLOCK_N] tiles (16 KB in bf16, 32 KB in fp32): within SM86's 99 KB of shared
-    memory at two stages."""
+                     device_type: str = "cuda") -> tuple[dict, dict, dict]:
+    """(_gate_up's constexprs, _down's constexprs, launch options) for a window of
+    `tokens` tokens of `dtype` and experts of `hidden` x `inter`. A gate/up step reads two
+    [BLOCK_K, BLOCK_N] tiles and the tokens' [BLOCK_T, BLOCK_K] (20 KB in bf16 at 32
+    tokens, 40 KB in fp32): within SM86's 99 KB of shared memory at four stages in 16 bits
+    and two in fp32."""
     # NOTE: triton's interpreter (CPU tensors) multiplies bf16 tl.dot operands as their
     # raw bits (triton 3.9): there the dot runs in fp32.
     dot_fp32 = dtype == torch.float32 or (dtype == torch.bfloat16 and device_type != "cuda")
@@ -261,7 +268,9 @@ def kernel_constants(tokens: int, hidden: int, inter: int, dtype: torch.dtype,
                     BLOCK_K=min(BLOCK_K, max(16, triton.next_power_of_2(inner))),
                     DOT_FP32=dot_fp32)
 
-    return tiles(inter, hidden), tiles(hidden, inter), 4
+    stages = NUM_STAGES_FP32 if dtype == torch.float32 else NUM_STAGES
+    return tiles(inter, hidden), tiles(hidden, inter), dict(num_warps=NUM_WARPS,
+                                                            num_stages=stages)
 
 
 def _check_window(x, experts, weights, caller: str) -> None:
@@ -313,19 +322,62 @@ def _inner_contiguous(w: torch.Tensor) -> torch.Tensor:
     return w if w.stride(2) == 1 else w.contiguous()
 
 
+@triton.jit
+def _route_pairs(experts_ptr, counts_ptr, starts_ptr, order_ptr, listed_ptr,
+                 num_pairs, num_experts, num_listed,
+                 PAIRS: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: the pairs' experts [num_pairs] -> counts, starts [E] int32, order
+    [num_pairs] int64 (pair ids by (expert, pair id)), listed [num_listed] int64 (routed
+    experts by id, then unrouted ones by id). PAIRS and EXPERTS are powers of two at
+    least num_pairs and num_experts; padding pairs carry expert EXPERTS (none)."""
+    q = tl.arange(0, PAIRS)
+    q_ok = q < num_pairs
+    eq = tl.load(experts_ptr + q, mask=q_ok, other=EXPERTS).to(tl.int32)
+    e = tl.arange(0, EXPERTS)
+    e_ok = e < num_experts
+    counts = tl.zeros([EXPERTS], dtype=tl.int32)
+    for first in range(0, PAIRS, CHUNK):  # counts, CHUNK pairs at a time
+        c = first + tl.arange(0, CHUNK)
+        ec = tl.load(experts_ptr + c, mask=c < num_pairs, other=EXPERTS).to(tl.int32)
+        counts += tl.sum((e[:, None] == ec[None, :]).to(tl.int32), axis=1)
+    tl.store(counts_ptr + e, counts, mask=e_ok)
+    tl.store(starts_ptr + e, tl.cumsum(counts, axis=0) - counts, mask=e_ok)
+    for first in range(0, PAIRS, CHUNK):  # each pair's slot: the pairs sorted before it
+        p = first + tl.arange(0, CHUNK)
+        p_ok = p < num_pairs
+        ep = tl.load(experts_ptr + p, mask=p_ok, other=EXPERTS).to(tl.int32)
+        before = (eq[None, :] < ep[:, None]) | ((eq[None, :] == ep[:, None])
+                                                & (q[None, :] < p[:, None]))
+        rank = tl.sum((before & q_ok[None, :]).to(tl.int32), axis=1)
+        tl.store(order_ptr + rank, p.to(tl.int64), mask=p_ok)
+    routed = ((counts > 0) & e_ok).to(tl.int32)
+    unrouted = ((counts == 0) & e_ok).to(tl.int32)
+    position = tl.where(routed > 0, tl.cumsum(routed, axis=0) - routed,
+                        tl.sum(routed, axis=0) + tl.cumsum(unrouted, axis=0) - unrouted)
+    tl.store(listed_ptr + position, e.to(tl.int64), mask=e_ok & (position < num_listed))
+
+
+ROUTE_CHUNK = 32  # pairs per step of _route_pairs ([EXPERTS, 32] comparisons at most)
+
+
 def _route(experts: torch.Tensor, num_experts: int):
     """The window's pairs grouped by expert, on the device: (counts [E] int32, starts [E]
     int32 (each expert's first slot), order [T*k] int64 (the pairs by expert, stably),
-    listed [S] int64 (the routed experts first, then unrouted ones as padding))."""
+    listed [S] int64 (the routed experts first, then unrouted ones as padding)), by one
+    launch of `_route_pairs`."""
     pairs = experts.numel()
-    flat = experts.reshape(-1).to(torch.int64)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=experts.device).scatter_add_(
-        0, flat, torch.ones(pairs, dtype=torch.int32, device=experts.device))
-    starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).contiguous()
-    order = torch.argsort(flat, stable=True)                              # [T*k] pair ids
-    # The routed experts first (at most S of them), then unrouted ones: S int64 ids.
-    listed = torch.argsort((counts == 0).to(torch.int32), stable=True)
-    return counts, starts, order, listed[:min(num_experts, pairs)]
+    flat = experts.reshape(-1).contiguous()
+    device = experts.device
+    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    starts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    order = torch.empty(pairs, dtype=torch.int64, device=device)
+    listed = torch.empty(min(num_experts, pairs), dtype=torch.int64, device=device)
+    block = max(ROUTE_CHUNK, triton.next_power_of_2(pairs))
+    _route_pairs[(1,)](flat, counts, starts, order, listed, pairs, num_experts,
+                       listed.shape[0], PAIRS=block,
+                       EXPERTS=max(16, triton.next_power_of_2(num_experts)),
+                       CHUNK=ROUTE_CHUNK, num_warps=4)
+    return counts, starts, order, listed
 
 
 def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
@@ -346,24 +398,23 @@ def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
     counts, starts, order, listed = _route(experts, num_experts)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    gate_up_constants, down_constants, num_warps = kernel_constants(
+    gate_up_constants, down_constants, launch = kernel_constants(
         tokens, hidden, inter, x.dtype, x.device.type)
     _gate_up[(listed.shape[0], triton.cdiv(inter, gate_up_constants["BLOCK_N"]))](
         x, gate_proj, up_proj, h, listed, counts, starts, order, top_k, hidden, inter,
         x.stride(0), gate_proj.stride(0), gate_proj.stride(1), up_proj.stride(0),
-        up_proj.stride(1), h.stride(0), **gate_up_constants, num_warps=num_warps,
-        num_stages=2)
+        up_proj.stride(1), h.stride(0), **gate_up_constants, **launch)
     _down[(listed.shape[0], triton.cdiv(hidden, down_constants["BLOCK_N"]))](
         h, down_proj, weights.reshape(-1).contiguous(), out, listed, counts, starts, order,
         hidden, inter, h.stride(0), down_proj.stride(0), down_proj.stride(1), out.stride(0),
-        **down_constants, num_warps=num_warps, num_stages=2)
+        **down_constants, **launch)
     return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
 def quantized_constants(tokens: int, dtype: torch.dtype, qtypes: tuple[str, str, str],
                         hidden: int, inter: int,
-                        device_type: str = "cuda") -> tuple[dict, dict, int]:
-    """(_gate_up_q's constexprs, _down_q's constexprs, num_warps) for a window of `tokens`
+                        device_type: str = "cuda") -> tuple[dict, dict, dict]:
+    """(_gate_up_q's constexprs, _down_q's constexprs, launch options) for a window of `tokens`
     tokens of `dtype` and experts of `hidden` x `inter` whose gate, up and down are of
     `qtypes`. The window's tiling (BLOCK_T, tl.dot or a broadcast sum) and each format's
     run length and offset are triton_quant's gemv's for the same window."""
@@ -381,7 +432,7 @@ def quantized_constants(tokens: int, dtype: torch.dtype, qtypes: tuple[str, str,
                    BLOCK_N=block_n(inter), **window)
     down = dict(FORMAT=down["FORMAT"], C=down["C"], HAS_OFFSET=down["HAS_OFFSET"],
                 BLOCK_N=block_n(hidden), **window)
-    return gate_up, down, 4
+    return gate_up, down, dict(num_warps=NUM_WARPS, num_stages=QUANT_STAGES)
 
 
 def _quantized(name: str, weight, x: torch.Tensor) -> tuple[torch.Tensor, str, int]:
@@ -452,17 +503,15 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: tor
     counts, starts, order, listed = _route(experts, num_experts)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    gate_up_constants, down_constants, num_warps = quantized_constants(
+    gate_up_constants, down_constants, launch = quantized_constants(
         tokens, x.dtype, (gate_qtype, up_qtype, down_qtype), hidden, inter, x.device.type)
     _gate_up_q[(listed.shape[0], triton.cdiv(inter, gate_up_constants["BLOCK_N"]))](
         x, gate_blocks, up_blocks, h, listed, counts, starts, order, top_k, inter,
         hidden // GROUPS[gate_qtype][0], hidden // GROUPS[up_qtype][0],
         x.stride(0), gate_blocks.stride(0), gate_blocks.stride(1), up_blocks.stride(0),
-        up_blocks.stride(1), h.stride(0), **gate_up_constants, num_warps=num_warps,
-        num_stages=2)
+        up_blocks.stride(1), h.stride(0), **gate_up_constants, **launch)
     _down_q[(listed.shape[0], triton.cdiv(hidden, down_constants["BLOCK_N"]))](
         h, down_blocks, weights.reshape(-1).contiguous(), out, listed, counts, starts, order,
         hidden, inter // GROUPS[down_qtype][0], h.stride(0), down_blocks.stride(0),
-        down_blocks.stride(1), out.stride(0), **down_constants, num_warps=num_warps,
-        num_stages=2)
+        down_blocks.stride(1), out.stride(0), **down_constants, **launch)
     return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
