@@ -16,6 +16,7 @@ import torch
 from strata.config import EngineConfig
 from strata.drafting.pricing import StepMeter
 from strata.drafting.registry import build_policy
+from strata.engine.stalls import StallWatch
 from strata.errors import StrataError
 from strata.kvcache.spec import state_rows_per_slot
 from strata.models.registry import get_architecture
@@ -88,6 +89,11 @@ class Engine:
                                      mtp=use_mtp)
         self.stage_seconds = [0.0] * self.runner.num_stages  # compute time of each stage
         self.scheduler_seconds = 0.0  # time in step() outside collect: scheduling, commits
+        self.stalls = StallWatch()    # warns of a step whose host time stalled
+        # Stages computing in this process on the CPU: their time is compute, not a stall.
+        self._cpu_stages = [] if config.stage_processes else [
+            i for i in range(self.runner.num_stages) if config.stage_device(i).type == "cpu"]
+        self._launching = 0.0         # seconds launching windows since the last commit
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
@@ -126,11 +132,17 @@ class Engine:
             self._submit(window, start)
         while (window := self.scheduler.schedule_ahead()) is not None:
             self._submit(window, start)
-        self.scheduler_seconds += time.perf_counter() - start
+        spent = time.perf_counter() - start
+        self.scheduler_seconds += spent
+        self._launching += spent
 
     def _submit(self, window, start: float) -> None:
+        idle = self.runner.num_in_flight == 0
+        if idle:
+            self.stalls.idle(start)
+            self._launching = 0.0
         if self.meter is not None:
-            self.meter.launched(window, start, idle=self.runner.num_in_flight == 0)
+            self.meter.launched(window, start, idle)
         self.runner.submit(window)
 
     @torch.inference_mode()
@@ -148,6 +160,9 @@ class Engine:
             self.stage_seconds[stage] += seconds
         if self.meter is not None:
             self.meter.committed(window, result.tokens, commit)
+        computing = sum(result.stage_seconds[i] for i in self._cpu_stages)
+        self.stalls.committed(commit, self._launching - computing, commit - collect + computing)
+        self._launching = 0.0
         updated = self.scheduler.commit(window, result.tokens, result.stage_drafts,
                                         result.errors, result.logprobs)
         self.scheduler_seconds += (collect - start) + (time.perf_counter() - commit)
