@@ -119,12 +119,13 @@ class EngineConfig:
         "drafts, in tokens: it sits out the window built ahead of its drafted one (the "
         "group's other slots go on; a slot alone makes the group wait, and the host's time "
         "shows). A draft is sent only when its expected gain exceeds this"))
-    spec_pricing: str = field(default="measured", metadata=_opt(
-        "measured: drafting is also charged what the engine's recent steps show a drafted "
-        "entry and a drafted token cost (host and device time, in the tokens the engine "
-        "would have made meanwhile), added to --spec-window-cost and at least "
-        "--spec-token-cost; fixed: those two costs alone",
-        choices=("measured", "fixed")))
+    spec_pricing: str = field(default="fixed", metadata=_opt(
+        "fixed (default): drafts cost --spec-window-cost and --spec-token-cost; measured: "
+        "drafting is also charged what the engine's recent steps show a drafted entry and "
+        "a drafted token cost (host and device time, in the tokens the engine would have "
+        "made meanwhile), added to those (slower than fixed on the H200 so far: "
+        "docs/SPECULATIVE.md)",
+        choices=("fixed", "measured")))
     simulate_acceptance: float | None = field(default=None, metadata=_opt(
         "speed studies only: every slot drafts --spec tokens every window and accepts each "
         "with this probability (the text is meaningless; everything is labelled simulated)"))

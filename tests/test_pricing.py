@@ -161,3 +161,14 @@ def test_the_engine_feeds_its_pricing_and_output_stays_lossless(tiny_models, pri
     else:
         assert policy.pricing._weight > 10 and policy.pricing.rate > 0
         assert engine.draft_stats.drafted > 0
+
+
+def test_metrics_show_the_measured_prices():
+    from strata.server.metrics import Metrics
+    pricing = DraftPricing()
+    pricing.entry_cost, pricing.token_cost = 1.25, 0.125
+    metrics = Metrics()
+    metrics.observe_pricing(pricing)
+    text = metrics.render().decode()
+    assert 'strata_draft_price_tokens{per="entry"} 1.25' in text
+    assert 'strata_draft_price_tokens{per="token"} 0.125' in text

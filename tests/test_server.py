@@ -190,9 +190,6 @@ def test_draft_statistics_in_usage_and_metrics(client, server):
     assert drafts["drafted"] >= drafts["accepted"] > 0
     assert set(drafts["by_proposer"]) <= {"suffix", "lookup"}
     assert metric(server[0], "strata_draft_accepted_tokens_total") >= drafts["accepted"]
-    text = httpx.get(server[0] + "/metrics", timeout=5).text
-    assert 'strata_draft_price_tokens{per="entry"}' in text  # measured draft prices
-    assert metric(server[0], "strata_draft_price_tokens") >= 0
     assert "drafts=" in server[2].read_text()
 
 
