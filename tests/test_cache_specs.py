@@ -38,12 +38,14 @@ class RunningMean(nn.Module):
         out, offset = torch.empty_like(x), 0
         for entry, count in enumerate(meta.query_lens):
             run = slice(offset, offset + count)
-            row = meta.state_rows[entry, 0]
+            rows = meta.state_rows[entry]
             positions = meta.positions[run]
-            before = torch.zeros_like(sums[row]) if positions[0] == 0 else sums[row]
+            before = torch.zeros_like(sums[rows[0]]) if positions[0] == 0 else sums[rows[0]]
             running = before + x[run].float().cumsum(0)              # [count, hidden]
             out[run] = (running / (positions[:, None] + 1)).to(x.dtype)
-            sums[row] = running[-1]
+            keep = count - 1 - meta.num_drafts[entry]  # the states the verifier may keep
+            for i in range(keep, count):
+                sums[rows[1 + i - keep]] = running[i]
             offset += count
         return out
 
@@ -110,7 +112,7 @@ def test_stages_allocate_each_layer_from_its_spec(toy):
     kinds = [[type(c).__name__ for c in stage.caches] for stage in engine.runner.stages]
     assert kinds == [["PagedKVCache", "SlotStateCache"], ["PagedKVCache", "SlotStateCache"]]
     state = engine.runner.stages[1].caches[1]
-    assert state.tensors[0].shape == (3, 64) and state.tensors[0].dtype == torch.float32
+    assert state.tensors[0].shape == (6, 64) and state.tensors[0].dtype == torch.float32
     assert isinstance(engine.runner.stages[0].arch.cache_spec(0), PagedKVSpec)
 
 
@@ -124,9 +126,23 @@ def test_state_rows_follow_slots_across_chunks_windows_and_requests(toy):
     together = Engine(EngineConfig(model=str(toy), spec=0, parallel=4, max_context=128,
                                    max_window_tokens=7))
     assert together.generate(batch, GREEDY) == expected
-    assert together.scheduler.state_rows.num_free == 4
+    assert together.scheduler.state_rows.num_free == 8
 
 
-def test_drafts_with_per_slot_state_are_refused(toy):
-    with pytest.raises(StrataError, match="--spec 0"):
-        Engine(EngineConfig(model=str(toy), spec=4))
+@pytest.mark.parametrize("ahead", ["off", "on"])
+def test_drafts_roll_per_slot_state_back_by_choosing_a_row(toy, ahead):
+    """With drafts, some rejected, every slot's state follows its accepted tokens: greedy
+    output equals the no-draft run's; each slot holds 2 + --spec rows."""
+    batch = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [9, 9, 9, 9, 9, 9], [3, 4, 3, 4, 3, 4, 3]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = Engine(EngineConfig(model=str(toy), spec=0, parallel=3, max_context=128))
+    want = plain.generate(batch, params)
+    drafted = Engine(EngineConfig(model=str(toy), spec=3, parallel=3, max_context=128,
+                                  schedule_ahead=ahead, spec_window_cost=0.0,
+                                  spec_token_cost=0.0))
+    assert drafted.scheduler.state_rows_per_slot == 5
+    assert drafted.generate(batch, params) == want
+    stats = drafted.draft_stats
+    assert stats.accepted > 0
+    if ahead == "off":  # windows built ahead draft less (a slot sits out to draft)
+        assert stats.drafted > stats.accepted  # rejected drafts rolled back

@@ -18,7 +18,7 @@ from strata.drafting.pricing import StepMeter
 from strata.drafting.registry import build_policy
 from strata.engine.stalls import StallWatch
 from strata.errors import StrataError
-from strata.kvcache.spec import state_rows_per_slot
+from strata.kvcache.spec import keeps_slot_state
 from strata.models.registry import get_architecture
 from strata.request import DraftStats, Request
 from strata.sampling.params import SamplingParams
@@ -64,18 +64,20 @@ class Engine:
         policy = build_policy(config, self.model_config)
         use_mtp = policy is not None and policy.on_last_stage
         arch = get_architecture(self.model_config)
-        rows_per_slot = state_rows_per_slot(
+        stateful = keeps_slot_state(
             arch.cache_spec(i) for i in range(self.model_config.num_layers + use_mtp))
-        if rows_per_slot and policy is not None:
-            raise StrataError("this model keeps per-slot state in some layers, which drafts "
-                              "cannot roll back yet; run it with --spec 0")
+        # A slot's state rows: its committed state, and the states after its last known
+        # token and each draft of a window (so drafts are capped at --spec here).
+        max_drafts = config.spec if stateful and policy is not None else None
+        rows_per_slot = 2 + (max_drafts or 0) if stateful else 0
         self.scheduler = Scheduler(config.parallel, self.max_context, config.max_window_tokens,
                                    config.block_size, policy,
                                    mtp_drafts=config.spec if use_mtp else 0,
                                    num_groups=config.num_groups(),
                                    state_rows_per_slot=rows_per_slot,
                                    ahead=schedules_ahead(config),
-                                   window_cost=config.spec_window_cost)
+                                   window_cost=config.spec_window_cost,
+                                   max_drafts=max_drafts)
         drafts = self.scheduler.drafts
         self.draft_stats = drafts.stats if drafts is not None else DraftStats()  # all requests
         pricing = drafts.pricing if drafts is not None else None

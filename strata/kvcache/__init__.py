@@ -5,7 +5,7 @@ layer, allocated from its CacheSpec."""
 from strata.kvcache.block_pool import BlockPool, BlockTable, RowPool, cache_rows
 from strata.kvcache.cache import PagedKVCache, SlotStateCache, allocate
 from strata.kvcache.spec import (CacheSize, CacheSpec, PagedKVSpec, SlotStateSpec,
-                                 state_rows_per_slot)
+                                 keeps_slot_state)
 
 __all__ = ["BlockPool", "BlockTable", "CacheSize", "CacheSpec", "PagedKVCache", "PagedKVSpec", "RowPool",
-           "SlotStateCache", "SlotStateSpec", "allocate", "cache_rows", "state_rows_per_slot"]
+           "SlotStateCache", "SlotStateSpec", "allocate", "cache_rows", "keeps_slot_state"]

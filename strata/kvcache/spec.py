@@ -3,8 +3,10 @@
 - PagedKVSpec: keys and values of every position, in the paged blocks of the scheduler's
   BlockPool (attention layers).
 - SlotStateSpec: a fixed-size state per slot, in rows of the scheduler's RowPool
-  (recurrent layers: a convolution window, a linear-attention state). A slot owns
-  `rows_per_slot` rows from admission until it is freed.
+  (recurrent layers: a convolution window, a linear-attention state). A slot owns its rows
+  from admission until it is freed: versions of its state, one of them current, the
+  others written by each window for the positions the verifier may stop at (the
+  scheduler's docstring says how drafts roll back).
 
 The scheduler allocates blocks and rows for every layer at once (one block id and one row
 id name the same place in every layer of every stage); each stage allocates the tensors of
@@ -29,11 +31,10 @@ class PagedKVSpec:
 class SlotStateSpec:
     shapes: tuple[tuple[int, ...], ...]   # one tensor per shape, per row
     dtype: torch.dtype = torch.float32
-    rows_per_slot: int = 1
 
     def __post_init__(self) -> None:
-        if self.rows_per_slot < 1 or not self.shapes:
-            raise ValueError(f"a slot state needs at least one row and one tensor: {self}")
+        if not self.shapes:
+            raise ValueError(f"a slot state needs at least one tensor: {self}")
 
 
 CacheSpec = PagedKVSpec | SlotStateSpec
@@ -54,6 +55,6 @@ class CacheSize:
         return self.num_blocks
 
 
-def state_rows_per_slot(specs: Iterable[CacheSpec]) -> int:
-    """Rows of per-slot state each slot needs (0: the model keeps none)."""
-    return max((s.rows_per_slot for s in specs if isinstance(s, SlotStateSpec)), default=0)
+def keeps_slot_state(specs: Iterable[CacheSpec]) -> bool:
+    """Does some layer keep per-slot state (so slots need state rows)?"""
+    return any(isinstance(s, SlotStateSpec) for s in specs)

@@ -21,27 +21,39 @@ from strata.layers.rotary import RotaryEmbedding
 class Attention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  rotary: RotaryEmbedding, linear: LinearFactory, *, bias: bool = False,
-                 qk_norm_eps: float | None = None):
+                 qk_norm_eps: float | None = None, qk_norm: type[RMSNorm] = RMSNorm,
+                 output_gate: bool = False):
+        """`output_gate` (Qwen3-Next): q_proj also yields a gate per head (its rows
+        [query, gate] per head), and the attention output is scaled by sigmoid(gate)
+        before o_proj."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        q_rows, kv_rows = num_heads * head_dim, num_kv_heads * head_dim
+        self.output_gate = output_gate
+        q_rows, kv_rows = num_heads * head_dim * (2 if output_gate else 1), num_kv_heads * head_dim
         self.sizes = (q_rows, kv_rows, kv_rows)
         self.qkv_proj = linear.stacked(
             hidden, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}, bias=bias)
         self.o_proj = linear(num_heads * head_dim, hidden)
         if qk_norm_eps is not None:  # qwen3: RMSNorm over each head before rotary
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.q_norm = qk_norm(head_dim, qk_norm_eps)
+            self.k_norm = qk_norm(head_dim, qk_norm_eps)
         self.rotary = rotary  # one table shared by all layers of a stage (non-persistent)
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: PagedKVCache) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # views of [T, q + 2 kv]
-        q = q.view(tokens, self.num_heads, self.head_dim)
+        gate = None
+        if self.output_gate:
+            q, gate = q.reshape(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(tokens, self.num_heads * self.head_dim)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, meta.positions)
         out = meta.attend(q, k, v, cache)                       # [T, H, D]
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        out = out.reshape(tokens, self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)

@@ -12,14 +12,19 @@ from strata.layers.norm import RMSNorm
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hidden: int, eps: float, self_attn: nn.Module, mlp: nn.Module):
+    def __init__(self, hidden: int, eps: float, self_attn: nn.Module, mlp: nn.Module,
+                 norm: type[RMSNorm] = RMSNorm, mixer_name: str = "self_attn"):
+        """`mixer_name`: the token mixer's name in the checkpoint (Qwen3-Next's DeltaNet
+        layers call it `linear_attn`)."""
         super().__init__()
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.input_layernorm = norm(hidden, eps)
+        setattr(self, mixer_name, self_attn)
+        object.__setattr__(self, "_mixer", self_attn)  # NOTE: a plain reference, not a
+                                                       # second registration
+        self.post_attention_layernorm = norm(hidden, eps)
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: Cache) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), meta, cache)
+        attn = self._mixer(self.input_layernorm(x), meta, cache)
         h, normed = self.post_attention_layernorm.add_and_norm(attn, x)  # h = x + attn
         return h + self.mlp(normed)

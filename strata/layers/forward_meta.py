@@ -24,16 +24,22 @@ class ForwardMeta:
                                     # with per-slot state; not refreshed by graph replays)
     backend: AttentionBackend       # serves every attention layer of the stage...
     attention: Any                  # ...with this metadata, built once for the window
-    state_rows: torch.Tensor | None = None  # [B, rows per slot] each entry's state rows
+    state_rows: torch.Tensor | None = None  # [B, rows per slot] each entry's state rows:
+                                            # the state before its run, then where the
+                                            # states after its last known token and each
+                                            # draft go (layers/deltanet.py)
+    num_drafts: tuple[int, ...] = ()        # drafts each entry carries (state layers)
 
     @classmethod
     def build(cls, batch: AttentionBatch, backend: AttentionBackend, device: torch.device,
-              logits_idx: torch.Tensor, state_rows: torch.Tensor | None = None) -> ForwardMeta:
+              logits_idx: torch.Tensor, state_rows: torch.Tensor | None = None,
+              num_drafts: tuple[int, ...] = ()) -> ForwardMeta:
         move = dict(device=device, non_blocking=True)
         return cls(positions=batch.positions.to(**move), logits_idx=logits_idx.to(**move),
                    query_lens=tuple(batch.query_lens), backend=backend,
                    attention=backend.prepare(batch, device),
-                   state_rows=None if state_rows is None else state_rows.to(**move))
+                   state_rows=None if state_rows is None else state_rows.to(**move),
+                   num_drafts=tuple(num_drafts))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache,
                scale: float | None = None) -> torch.Tensor:

@@ -42,6 +42,21 @@ class SparseMoE(nn.Module):
         return self.experts(x, experts, weights.to(x.dtype))
 
 
+class GatedSharedMoE(SparseMoE):
+    """Qwen3-Next / Qwen3.5: SparseMoE plus one shared expert, scaled per token by
+    sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                 norm_topk_prob: bool, shared_intermediate: int, linear: LinearFactory):
+        super().__init__(hidden, intermediate, num_experts, top_k, norm_topk_prob, linear)
+        self.shared_expert = GatedMLP(hidden, shared_intermediate, linear)
+        self.shared_expert_gate = linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return super().forward(x) + shared
+
+
 class GroupedTopKRouter(nn.Module):
     """DeepSeek-V3 / GLM-4.5 routing, in float32 like the reference. Sigmoid scores plus
     `e_score_correction_bias` choose the experts, but the weights are the plain scores.

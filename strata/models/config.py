@@ -18,7 +18,8 @@ GGUF_ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # registry key: "llama", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3"
+    architecture: str  # registry key: "llama", "qwen3", "qwen3_moe", "glm4_moe",
+                       # "deepseek_v3", "qwen3_next", "qwen3_5_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -56,7 +57,20 @@ class ModelConfig:
     # Multi-token prediction: decoder layers num_layers … num_layers + num_mtp_layers - 1
     # belong to the MTP module (DeepSeek-V3 / GLM-4.5 layout), not to the main model.
     num_mtp_layers: int = 0
+    # Hybrid models (qwen3_next): each layer's token mixer, "full_attention" or
+    # "linear_attention" (a Gated DeltaNet: layers/deltanet.py); () = all attention.
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    shared_expert_intermediate_size: int = 0  # one gated shared expert (0 = none)
     eos_token_ids: tuple[int, ...] = field(default=())
+
+    def is_linear_attention(self, layer: int) -> bool:
+        return (layer < len(self.layer_types)
+                and self.layer_types[layer] == "linear_attention")
 
     def is_moe_layer(self, layer: int) -> bool:
         if (self.num_experts == 0 or layer in self.mlp_only_layers
@@ -127,8 +141,17 @@ class ModelConfig:
                 num_expert_groups=int(raw.get("n_group") or 1),
                 topk_expert_groups=int(raw.get("topk_group") or 1),
                 routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
-                num_mtp_layers=int(raw.get("num_nextn_predict_layers")
-                                   or raw.get("num_mtp_layers") or 0),
+                # NOTE: Qwen3-Next's MTP layer has its own layout, not loaded yet.
+                num_mtp_layers=0 if architecture in ("qwen3_next", "qwen3_5_moe") else int(
+                    raw.get("num_nextn_predict_layers") or raw.get("num_mtp_layers") or 0),
+                layer_types=tuple(raw.get("layer_types") or ()),
+                linear_num_key_heads=int(raw.get("linear_num_key_heads") or 0),
+                linear_num_value_heads=int(raw.get("linear_num_value_heads") or 0),
+                linear_key_head_dim=int(raw.get("linear_key_head_dim") or 0),
+                linear_value_head_dim=int(raw.get("linear_value_head_dim") or 0),
+                linear_conv_kernel=int(raw.get("linear_conv_kernel_dim") or 0),
+                shared_expert_intermediate_size=int(
+                    raw.get("shared_expert_intermediate_size") or 0),
                 eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             )
         except (KeyError, TypeError, ValueError) as e:

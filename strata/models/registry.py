@@ -15,6 +15,7 @@ from torch import nn
 from strata.errors import StrataError
 from strata.kvcache.spec import CacheSpec, PagedKVSpec
 from strata.layers.linear import LinearFactory
+from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding
 from strata.models.config import ModelConfig
 
@@ -30,6 +31,8 @@ class Architecture:
         """`linear`: the stage's factory for projections (default: the stage's dtype)."""
         self.config = config
         self.linear = linear or LinearFactory()
+
+    norm: type[RMSNorm] = RMSNorm  # the model's RMSNorm (the final norm's too)
 
     def make_layer(self, layer: int, rotary: RotaryEmbedding) -> nn.Module:
         raise NotImplementedError

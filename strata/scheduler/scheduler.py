@@ -26,6 +26,12 @@ dropped at commit, like an aborted one's.
 
 Allocation covers every kind of layer cache (kvcache/spec.py): KV blocks as a slot's
 sequence grows, and `state_rows_per_slot` rows of per-slot state from admission to finish.
+State rows are versions: a window reads its entry's state from the slot's current row and
+writes the state after its last known token and after each draft to the slot's other rows
+in order (WindowHeader.state_rows); committing j accepted drafts makes the (1 + j)-th of
+those the current row. So drafts roll back by choosing a row, in every group and stage, and
+a slot needs 2 + its longest draft rows (`max_drafts` caps drafts to fit). A window built
+ahead reads a carried slot's state from the row its window in flight writes.
 """
 
 from __future__ import annotations
@@ -52,12 +58,13 @@ class Scheduler:
     def __init__(self, num_slots: int, max_context: int, max_window_tokens: int,
                  block_size: int, drafts: DraftPolicy | None = None, mtp_drafts: int = 0,
                  num_groups: int = 1, state_rows_per_slot: int = 0, ahead: bool = False,
-                 window_cost: float = 0.0):
+                 window_cost: float = 0.0, max_drafts: int | None = None):
         """`mtp_drafts`: the longest chain the model's MTP layer drafts on the last stage
         (0: none); `state_rows_per_slot`: rows of per-slot state the model's layers keep;
         `ahead`: build a decoding group's next window while its last computes (the runner
         carries the tokens over on its device; not with MTP drafts); `window_cost`: the
-        least net gain of a draft worth sending when windows go ahead."""
+        least net gain of a draft worth sending when windows go ahead; `max_drafts`: the
+        most drafts one window carries for a slot (None: no cap)."""
         if not 1 <= num_groups <= num_slots:
             raise ValueError(f"{num_groups} groups for {num_slots} slots")
         blocks_per_slot = -(-max_context // block_size)
@@ -65,6 +72,14 @@ class Scheduler:
         self.pool = BlockPool(num_slots * blocks_per_slot, block_size)
         self.state_rows = RowPool(num_slots * state_rows_per_slot)
         self.state_rows_per_slot = state_rows_per_slot
+        self.max_drafts = max_drafts
+        drafting = drafts is not None and drafts.enabled
+        if state_rows_per_slot:
+            longest = (max_drafts if max_drafts is not None else max_window_tokens) \
+                if drafting else 0
+            if state_rows_per_slot < 2 + longest:
+                raise ValueError(f"{state_rows_per_slot} state rows per slot cannot hold the "
+                                 f"states of {longest} drafts (2 + drafts rows needed)")
         self.slots = [Slot(i, self.pool, self.state_rows, state_rows_per_slot)
                       for i in range(num_slots)]
         self.max_context, self.max_window_tokens = max_context, max_window_tokens
@@ -245,6 +260,8 @@ class Scheduler:
         and the tokens the request may still produce (the last one needs no draft)."""
         request = slot.request
         room = min(budget, self.max_context - request.num_tokens)
+        if self.max_drafts is not None:
+            room = min(room, self.max_drafts)
         if request.params.max_tokens is not None:
             room = min(room, request.params.max_tokens - request.num_output_tokens - 1)
         return max(room, 0)
@@ -268,7 +285,7 @@ class Scheduler:
         computes there): the entry is then the one token that window samples for it."""
         tokens, positions, rows, tables, sample_rows = [], [], [], [], []
         samples, verify, following, mtp_rows, mtp_lens = [], [], [], [], []
-        starts, carry_rows, carry_from = [], [], []
+        starts, carry_rows, carry_from, state_rows = [], [], [], []
         offset = 0  # window row of the entry's first token
         for e, (slot, count) in enumerate(entries):
             carried = ahead[e] if ahead else None
@@ -278,6 +295,10 @@ class Scheduler:
             if carried:
                 carry_rows.append(offset)
                 carry_from.append(carried[0])
+            if self.state_rows_per_slot:  # a carried slot goes on from its window in flight
+                source = (self._latest[group].header.state_rows[carried[0], 1].item()
+                          if carried else slot.state_current)
+                state_rows.append(slot.state_order(source))
             starts.append(start)
             # Positions the MTP layer may reach: the window's, then its chain of drafts.
             mtp_end = min(self.max_context, start + count + self.mtp_drafts + 1) \
@@ -318,7 +339,7 @@ class Scheduler:
             sample_rows=torch.tensor(sample_rows, dtype=torch.long),
             verify=verify,
             following=following,
-            state_rows=(torch.tensor([slot.state_rows for slot, _ in entries], dtype=torch.long)
+            state_rows=(torch.tensor(state_rows, dtype=torch.long)
                         if self.state_rows_per_slot else None),
             mtp_rows=_padded(mtp_rows) if self.mtp_drafts else None,
             mtp_lens=mtp_lens if self.mtp_drafts else None,
@@ -347,8 +368,9 @@ class Scheduler:
         scored = iter(logprobs or [])
         updated = self.take_failed()
         header = window.header
-        for index, request, count, sample, draft in zip(
-                header.slots, window.requests, header.query_lens, header.samples, window.drafts):
+        for entry_index, (index, request, count, sample, draft) in enumerate(zip(
+                header.slots, window.requests, header.query_lens, header.samples,
+                window.drafts)):
             slot = self.slots[index]
             tokens = next(produced) if sample else []
             drafted_on_stage = next(staged, None) if sample else None
@@ -365,6 +387,8 @@ class Scheduler:
             accepted = max(len(tokens) - 1, 0)
             # The KV of rejected drafts stays in the cache; the next window overwrites it.
             slot.num_computed += num_committed(count, drafted, accepted)
+            if header.state_rows is not None:  # the state after the last committed token
+                slot.state_current = int(header.state_rows[entry_index, 1 + accepted])
             slot.draft = None
             if not sample:
                 continue

@@ -17,6 +17,7 @@ class Slot:
         self.num_computed = 0  # tokens of the request whose KV is in the cache
         self.draft: Draft | None = None  # drafts carried by the slot's window in flight
         self.state_rows: list[int] = []  # rows of per-slot state, while it holds a request
+        self.state_current: int | None = None  # the row holding its committed state
 
     @property
     def free(self) -> bool:
@@ -34,9 +35,17 @@ class Slot:
     def assign(self, request: Request) -> None:
         self.request, self.num_computed = request, 0
         self.state_rows = self.row_pool.allocate(self.rows_per_slot)
+        self.state_current = self.state_rows[0] if self.state_rows else None
 
     def release(self) -> None:
         """Give back the blocks and the state rows."""
         self.block_table.clear()
         self.row_pool.release(self.state_rows)
         self.request, self.num_computed, self.draft, self.state_rows = None, 0, None, []
+        self.state_current = None
+
+    def state_order(self, source: int) -> list[int]:
+        """The slot's state rows for a window: `source` (the state its run starts from),
+        then the others, where the run writes the state after its last known token and
+        after each draft (layers/deltanet.py)."""
+        return [source, *(row for row in self.state_rows if row != source)]

@@ -23,7 +23,6 @@ from strata.layers.forward_meta import ForwardMeta
 from strata.layers.fused import enable_compile
 from strata.layers.linear import LinearFactory, WeightFormat
 from strata.layers.mtp import MTPHead
-from strata.layers.norm import RMSNorm
 from strata.layers.rotary import RotaryEmbedding
 from strata.models.registry import Architecture, get_architecture
 from strata.scheduler.window import WindowHeader
@@ -49,7 +48,7 @@ class StageModule(nn.Module):
         self.model.layers = nn.ModuleDict(
             {str(i): arch.make_layer(i, self.rotary) for i in range(start, end)})
         if last:
-            self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.model.norm = arch.norm(c.hidden_size, c.rms_norm_eps)
             self.lm_head = arch.linear(c.hidden_size, c.vocab_size)
         if mtp:  # the MTP layer, sharing this stage's embedding (if any) and lm_head
             self.mtp = MTPHead(c.num_layers, arch.make_layer(c.num_layers, self.rotary),
@@ -138,7 +137,7 @@ class Stage:
         batch = AttentionBatch(header.query_lens, header.positions, header.slot_mapping,
                                header.block_tables, header.block_size)
         return ForwardMeta.build(batch, self.backend, self.device, header.logits_idx(),
-                                 header.state_rows)
+                                 header.state_rows, header.num_drafts)
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, meta: ForwardMeta | GraphCall):

@@ -31,6 +31,24 @@ from strata.quant.formats import FORMATS
 _SCALES = {"Q8_0": (2.7e-4, None), "Q4_0": (4.3e-3, None), "Q4_1": (4.3e-3, -7.5),
            "Q4_K": (1.0e-4, 7.5), "Q5_K": (5.0e-5, 15.5), "Q6_K": (1.5e-5, None)}
 
+
+
+def _qwen3_next(layers: int) -> dict:
+    """Qwen3-Next-80B-A3B's config with `layers` layers (a multiple of 4): three Gated
+    DeltaNet layers before each gated attention layer, 512 experts top-10 with a gated
+    shared expert."""
+    return dict(
+        architectures=["Qwen3NextForCausalLM"], vocab_size=151936, hidden_size=2048,
+        intermediate_size=5120, num_hidden_layers=layers, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, max_position_embeddings=262144,
+        rope_parameters=dict(rope_theta=10000000.0, partial_rotary_factor=0.25),
+        rms_norm_eps=1e-6, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=False)
+
+
 PRESETS: dict[str, dict] = {
     # SmolLM2-135M-Instruct, the embedded default model.
     "smollm2-135m": dict(
@@ -45,6 +63,9 @@ PRESETS: dict[str, dict] = {
         num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
         rope_theta=1000000.0, rms_norm_eps=1e-6, num_experts=128, num_experts_per_tok=8,
         moe_intermediate_size=768, norm_topk_prob=True, tie_word_embeddings=False),
+    # Qwen3-Next-80B-A3B (~160 GB in bf16: more than one H200), and its first 24 layers.
+    "qwen3-next-80b-a3b": _qwen3_next(48),
+    "qwen3-next-80b-a3b-24l": _qwen3_next(24),
 }
 
 
