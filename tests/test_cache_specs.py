@@ -14,7 +14,6 @@ from torch import nn
 
 from strata.config import EngineConfig
 from strata.engine.engine import Engine
-from strata.errors import StrataError
 from strata.kvcache.cache import SlotStateCache
 from strata.kvcache.spec import PagedKVSpec, SlotStateSpec
 from strata.layers.decoder import DecoderLayer
