@@ -176,3 +176,108 @@ def test_the_real_shape_preset_reads_as_qwen3_next():
     assert config.architecture == "qwen3_next" and config.num_layers == 48
     assert [config.is_linear_attention(i) for i in range(4)] == [True, True, True, False]
     assert (config.num_experts, config.num_experts_per_tok, config.rotary_dim) == (512, 10, 64)
+
+
+def write_qwen3next_gguf(model, path) -> None:
+    """`model` (transformers Qwen3-Next) written as llama.cpp's converter writes it
+    (convert_hf_to_gguf.py, Qwen3NextModel): norms plus 1 but the DeltaNet's, A_log as
+    -exp(A_log), conv1d squeezed, dt_bias as ssm_dt.bias, in_proj_qkvz split into
+    attn_qkv (q of every head, then k, then v) and attn_gate (z), experts stacked."""
+    import gguf
+    import numpy as np
+
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "qwen3next")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    w.add_ssm_state_size(c.linear_key_head_dim)
+    w.add_ssm_group_count(c.linear_num_key_heads)
+    w.add_ssm_time_step_rank(c.linear_num_value_heads)
+    w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    w.add_full_attention_interval(4)
+    w.add_vocab_size(c.vocab_size)
+    names = {"input_layernorm.weight": "attn_norm.weight",
+             "post_attention_layernorm.weight": "post_attention_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight",
+             "self_attn.o_proj.weight": "attn_output.weight",
+             "self_attn.q_norm.weight": "attn_q_norm.weight",
+             "self_attn.k_norm.weight": "attn_k_norm.weight",
+             "mlp.gate.weight": "ffn_gate_inp.weight",
+             "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+             "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+             "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+             "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight",
+             "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+             "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.A_log": "ssm_a",
+             "linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.norm.weight": "ssm_norm.weight",
+             "linear_attn.out_proj.weight": "ssm_out.weight"}
+    hk, dk = c.linear_num_key_heads, c.linear_key_head_dim
+    per_head_v = c.linear_num_value_heads // hk * c.linear_value_head_dim
+
+    def add(name, tensor):
+        w.add_tensor(name, np.ascontiguousarray(tensor.detach().float().numpy()))
+
+    state = model.state_dict()
+    add("token_embd.weight", state["model.embed_tokens.weight"])
+    add("output.weight", state["lm_head.weight"])
+    add("output_norm.weight", state["model.norm.weight"] + 1)
+    for i in range(c.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        if f"{prefix}mlp.experts.down_proj" in state:  # [E, 2I, H]: gate rows, then up
+            gate, up = state[f"{prefix}mlp.experts.gate_up_proj"].chunk(2, dim=1)
+            add(f"blk.{i}.ffn_gate_exps.weight", gate)
+            add(f"blk.{i}.ffn_up_exps.weight", up)
+            add(f"blk.{i}.ffn_down_exps.weight", state[f"{prefix}mlp.experts.down_proj"])
+        for key, tensor in state.items():
+            if not key.startswith(prefix) or ".experts." in key:
+                continue
+            local = key[len(prefix):]
+            if local == "linear_attn.in_proj_qkvz.weight":
+                q, k, v, z = tensor.view(hk, 2 * dk + 2 * per_head_v, -1).split(
+                    [dk, dk, per_head_v, per_head_v], dim=1)
+                flat = [part.reshape(-1, tensor.shape[1]) for part in (q, k, v, z)]
+                add(f"blk.{i}.attn_qkv.weight", torch.cat(flat[:3]))
+                add(f"blk.{i}.attn_gate.weight", flat[3])
+                continue
+            if local.endswith("norm.weight") and not local.startswith("linear_attn"):
+                tensor = tensor + 1
+            elif local == "linear_attn.A_log":
+                tensor = -torch.exp(tensor)
+            elif local == "linear_attn.conv1d.weight":
+                tensor = tensor.squeeze(1)
+            add(f"blk.{i}.{names[local]}", tensor)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_gguf_in_llama_cpps_qwen3next_layout_gives_the_same_logits(tmp_path):
+    model = build_qwen3_next(tmp_path, mlp_only_layers=[])  # llama.cpp: every layer MoE
+    path = tmp_path / "tiny-qwen3next.gguf"
+    write_qwen3next_gguf(model, path)
+    engine = Engine(EngineConfig(model=str(path), max_context=256, spec=0))
+    config = engine.model_config
+    assert config.architecture == "qwen3_next" and config.rotary_dim == 4
+    assert config.layer_types == tuple(model.config.layer_types)
+    for ids in prompts(2, model.config.vocab_size, seed=8, low=5, high=40):
+        with torch.no_grad():
+            ref = model(torch.tensor([ids])).logits[0]
+        assert_logits_close(engine.score(ids), ref)

@@ -13,7 +13,8 @@ from strata.errors import StrataError
 from strata.layers.rotary import rope_kind
 
 # GGUF's `general.architecture` values -> Strata architecture names.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                      "qwen3next": "qwen3_next"}
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,21 @@ class ModelConfig:
         head_dim = int(fields.get(f"{arch}.attention.key_length") or hidden // heads)
         vocab = fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens", []))
         eos = fields.get("tokenizer.ggml.eos_token_id")
+        hybrid = {}
+        if arch == "qwen3next":  # Gated DeltaNet layers, then one full attention layer
+            layers, interval = int(get("block_count")), int(get("full_attention_interval", 4))
+            value_heads = int(get("ssm.time_step_rank"))
+            hybrid = dict(
+                layer_types=tuple("full_attention" if (i + 1) % interval == 0
+                                  else "linear_attention" for i in range(layers)),
+                linear_num_key_heads=int(get("ssm.group_count")),
+                linear_num_value_heads=value_heads,
+                linear_key_head_dim=int(get("ssm.state_size")),
+                linear_value_head_dim=int(get("ssm.inner_size")) // value_heads,
+                linear_conv_kernel=int(get("ssm.conv_kernel")),
+                shared_expert_intermediate_size=int(
+                    fields.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+                rotary_dim=int(fields.get(f"{arch}.rope.dimension_count") or head_dim))
         return cls(
             architecture=GGUF_ARCHITECTURES[arch],
             vocab_size=int(vocab),
@@ -195,7 +211,8 @@ class ModelConfig:
             num_experts=int(fields.get(f"{arch}.expert_count") or 0),
             num_experts_per_tok=int(fields.get(f"{arch}.expert_used_count") or 0),
             moe_intermediate_size=int(fields.get(f"{arch}.expert_feed_forward_length") or 0),
-            # llama.cpp's qwen3moe always renormalises the top-k weights.
-            norm_topk_prob=arch == "qwen3moe",
+            # llama.cpp's qwen3moe and qwen3next always renormalise the top-k weights.
+            norm_topk_prob=arch in ("qwen3moe", "qwen3next"),
             eos_token_ids=() if eos is None else (int(eos),),
+            **hybrid,
         )

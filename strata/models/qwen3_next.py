@@ -5,12 +5,13 @@ DeltaNet's own output norm), and MoE feed-forwards with a gated shared expert. W
 a layer has is the config's `layer_types`. Qwen3.5 MoE stores the DeltaNet's projections
 apart, routes every layer through experts and always renormalises the top-k weights.
 
-Not yet: the MTP layer of these checkpoints (drafts come from the suffix and lookup
-proposers), GGUF files, and CUDA graphs or GPU kernels for the DeltaNet layers (they run
-eagerly, token by token)."""
+GGUF: llama.cpp's `qwen3next` layout (`read_gguf`). Not yet: Qwen3.5 GGUF files, the MTP
+layer of these checkpoints (drafts come from the suffix and lookup proposers), and CUDA
+graphs or GPU kernels for the DeltaNet layers (they run eagerly, token by token)."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from strata.kvcache.spec import CacheSpec
@@ -22,6 +23,7 @@ from strata.layers.moe import GatedSharedMoE
 from strata.layers.norm import ZeroCentredRMSNorm
 from strata.layers.rotary import RotaryEmbedding
 from strata.models.registry import Architecture, register
+from strata.weights.tensor import StoredTensor
 
 
 @register
@@ -67,6 +69,50 @@ class Qwen3Next(Architecture):
                               c.linear_key_head_dim, c.linear_value_head_dim,
                               c.linear_conv_kernel)
         return super().cache_spec(layer)
+
+
+    def read_gguf(self, checkpoint, name: str):
+        """llama.cpp's `qwen3next` layout (convert_hf_to_gguf.py's Qwen3NextModel): norms
+        stored plus 1 (not the DeltaNet's own), A_log as -exp(A_log), conv1d squeezed,
+        in_proj_qkvz split into attn_qkv (every head's q, then k, then v) and attn_gate
+        (z), the shared expert's gate a vector."""
+        c = self.config
+        if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            stored = checkpoint.read(name)
+            return StoredTensor.of(stored.dense(torch.float32) - 1.0)
+        owner = name.rpartition(".linear_attn.")[0]
+        if name.endswith("linear_attn.A_log"):
+            a = checkpoint.read(f"{owner}.linear_attn.ssm_a").dense(torch.float32)
+            return StoredTensor.of(torch.log(-a))
+        if name.endswith("linear_attn.conv1d.weight"):
+            stored = checkpoint.read(name)
+            return StoredTensor.of(stored.dense(torch.float32).unsqueeze(1))
+        if name.endswith("linear_attn.in_proj_qkvz.weight"):
+            joined = StoredTensor.cat_rows([
+                checkpoint.read(f"{owner}.linear_attn.in_proj_qkv.weight"),
+                checkpoint.read(f"{owner}.linear_attn.in_proj_z.weight")])
+            return joined.take_rows(_grouped_qkvz_rows(c))
+        if name.endswith("mlp.shared_expert_gate.weight"):
+            stored = checkpoint.read(name)
+            if len(stored.shape) == 1:
+                return StoredTensor.of(stored.dense(torch.float32).unsqueeze(0))
+        return None
+
+
+def _grouped_qkvz_rows(c) -> torch.Tensor:
+    """Rows of [attn_qkv; attn_gate] (q of every key head, k, v, then z) in the order of
+    Hugging Face's in_proj_qkvz: per key head its q, its k, then its value heads' v and z."""
+    hk, dk = c.linear_num_key_heads, c.linear_key_head_dim
+    per_head_v = c.linear_num_value_heads // hk * c.linear_value_head_dim
+    keys = hk * dk
+    z0 = 2 * keys + hk * per_head_v
+    rows = []
+    for h in range(hk):
+        rows += range(h * dk, (h + 1) * dk)                                   # q
+        rows += range(keys + h * dk, keys + (h + 1) * dk)                     # k
+        rows += range(2 * keys + h * per_head_v, 2 * keys + (h + 1) * per_head_v)  # v
+        rows += range(z0 + h * per_head_v, z0 + (h + 1) * per_head_v)        # z
+    return torch.tensor(rows, dtype=torch.long)
 
 
 @register

@@ -42,6 +42,12 @@ class Architecture:
         c = self.config
         return PagedKVSpec(c.num_kv_heads, c.head_dim)
 
+    def read_gguf(self, checkpoint, name: str):
+        """Parameter `name` (Hugging Face naming) as this architecture reads it from a GGUF
+        file where llama.cpp's converter changed more than its name and row order (values
+        transformed, tensors split or joined): a StoredTensor, or None for the plain read."""
+        return None
+
     def gguf_row_order(self, name: str) -> torch.Tensor | None:
         """Where llama.cpp's converter reordered the rows of a tensor: the order that
         undoes it (None: as stored)."""

@@ -35,6 +35,8 @@ def read_parameter(arch: Architecture, checkpoint, name: str) -> StoredTensor:
         name = "model.embed_tokens.weight"  # tied embeddings
     if is_stacked_expert(name, checkpoint):
         return stacked_experts(name, checkpoint, arch.config.num_experts)
+    if checkpoint.format == "gguf" and (own := arch.read_gguf(checkpoint, name)) is not None:
+        return own
     stored = checkpoint.read(name)
     if checkpoint.format == "gguf":
         order = arch.gguf_row_order(name)
