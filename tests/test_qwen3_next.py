@@ -281,3 +281,63 @@ def test_a_gguf_in_llama_cpps_qwen3next_layout_gives_the_same_logits(tmp_path):
         with torch.no_grad():
             ref = model(torch.tensor([ids])).logits[0]
         assert_logits_close(engine.score(ids), ref)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_mtp(tmp_path_factory, qwen3_next):
+    """The tiny Qwen3-Next with an MTP layer in its checkpoint (`mtp.*`, as Qwen's files
+    carry it: transformers does not model it): fc, the two pre-fc norms, one
+    full-attention MoE decoder layer (a copy of layer 3's, perturbed), a final norm."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, _ = qwen3_next
+    folder = tmp_path_factory.mktemp("qwen3_next_mtp")
+    for f in source.iterdir():
+        shutil.copy(f, folder / f.name)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config))
+    (weights,) = folder.glob("*.safetensors")
+    tensors = load_file(weights)
+    g = torch.Generator().manual_seed(17)
+    hidden = config["hidden_size"]
+    for name, t in list(tensors.items()):
+        if name.startswith("model.layers.3."):
+            tensors["mtp.layers.0." + name.removeprefix("model.layers.3.")] = (
+                t + 0.05 * torch.randn(t.shape, generator=g)).contiguous()
+    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.1
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = torch.randn(hidden, generator=g) * 0.2
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return folder
+
+
+MTP_CASES = {
+    "one request": dict(parallel=1),
+    "several at once": dict(parallel=4, max_window_tokens=24),
+    "two stage processes, two groups": dict(parallel=4, devices=("cpu", "cpu"),
+                                            layer_split=(4,), batch_groups=2),
+}
+
+
+@pytest.mark.parametrize("case", list(MTP_CASES))
+def test_mtp_drafts_keep_greedy_output(qwen3_next_mtp, case):
+    settings = MTP_CASES[case]
+    batch = prompts(1 if settings["parallel"] == 1 else 5, 320, seed=12, low=4, high=30)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = Engine(EngineConfig(model=str(qwen3_next_mtp), max_context=256, spec=0,
+                                parallel=settings["parallel"]))
+    want = plain.generate(batch, params)
+    engine = Engine(EngineConfig(model=str(qwen3_next_mtp), max_context=256, spec=3,
+                                 spec_type=("mtp",), spec_min_p=0.0, spec_token_cost=0.0,
+                                 **settings))  # a random MTP layer's drafts: all sent
+    try:
+        assert engine.scheduler.drafts.on_last_stage  # the MTP layer drafts
+        assert engine.generate(batch, params) == want
+        stats = engine.draft_stats
+        assert stats.drafted > stats.accepted, stats  # rejected drafts rolled back
+    finally:
+        engine.close()

@@ -142,9 +142,9 @@ class ModelConfig:
                 num_expert_groups=int(raw.get("n_group") or 1),
                 topk_expert_groups=int(raw.get("topk_group") or 1),
                 routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
-                # NOTE: Qwen3-Next's MTP layer has its own layout, not loaded yet.
-                num_mtp_layers=0 if architecture in ("qwen3_next", "qwen3_5_moe") else int(
-                    raw.get("num_nextn_predict_layers") or raw.get("num_mtp_layers") or 0),
+                num_mtp_layers=int(raw.get("num_nextn_predict_layers")
+                                   or raw.get("num_mtp_layers")
+                                   or raw.get("mtp_num_hidden_layers") or 0),
                 layer_types=tuple(raw.get("layer_types") or ()),
                 linear_num_key_heads=int(raw.get("linear_num_key_heads") or 0),
                 linear_num_value_heads=int(raw.get("linear_num_value_heads") or 0),

@@ -5,9 +5,10 @@ DeltaNet's own output norm), and MoE feed-forwards with a gated shared expert. W
 a layer has is the config's `layer_types`. Qwen3.5 MoE stores the DeltaNet's projections
 apart, routes every layer through experts and always renormalises the top-k weights.
 
-GGUF: llama.cpp's `qwen3next` layout (`read_gguf`). Not yet: Qwen3.5 GGUF files, the MTP
-layer of these checkpoints (drafts come from the suffix and lookup proposers), and CUDA
-graphs or GPU kernels for the DeltaNet layers (they run eagerly, token by token)."""
+The MTP layer (`mtp.*`, Hugging Face folders: layers/mtp.py's Qwen3NextMTP) drafts as the
+other MTP architectures' do. GGUF: llama.cpp's `qwen3next` layout (`read_gguf`; its
+converter drops the MTP tensors). Not yet: Qwen3.5 GGUF files, CUDA graphs or GPU kernels
+for the DeltaNet layers (they run eagerly, token by token)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from strata.layers.decoder import DecoderLayer
 from strata.layers.deltanet import GatedDeltaNet, state_spec
 from strata.layers.mlp import GatedMLP
 from strata.layers.moe import GatedSharedMoE
+from strata.layers.mtp import Qwen3NextMTP
 from strata.layers.norm import ZeroCentredRMSNorm
 from strata.layers.rotary import RotaryEmbedding
 from strata.models.registry import Architecture, register
@@ -70,6 +72,15 @@ class Qwen3Next(Architecture):
                               c.linear_conv_kernel)
         return super().cache_spec(layer)
 
+
+    def make_mtp(self, rotary: RotaryEmbedding, embed, lm_head) -> nn.Module:
+        """`mtp.*`: fc over [normed embedding, normed hidden], one full-attention MoE
+        decoder layer, a final norm (zero-centred norms)."""
+        c = self.config
+        return Qwen3NextMTP(c.num_layers, self.make_layer(c.num_layers, rotary),
+                            vocab=c.vocab_size, hidden=c.hidden_size, eps=c.rms_norm_eps,
+                            embed=embed, lm_head=lm_head, linear=self.linear,
+                            norm=ZeroCentredRMSNorm)
 
     def read_gguf(self, checkpoint, name: str):
         """llama.cpp's `qwen3next` layout (convert_hf_to_gguf.py's Qwen3NextModel): norms

@@ -42,6 +42,16 @@ class Architecture:
         c = self.config
         return PagedKVSpec(c.num_kv_heads, c.head_dim)
 
+    def make_mtp(self, rotary: RotaryEmbedding, embed: nn.Embedding | None,
+                 lm_head: nn.Module) -> nn.Module:
+        """The model's MTP layer (cache index num_layers), sharing `embed` (None: the stage
+        has none: its own copy is loaded) and `lm_head`: DeepSeek-V3's layout."""
+        from strata.layers.mtp import MTPHead
+        c = self.config
+        return MTPHead(c.num_layers, self.make_layer(c.num_layers, rotary),
+                       vocab=c.vocab_size, hidden=c.hidden_size, eps=c.rms_norm_eps,
+                       embed=embed, lm_head=lm_head, linear=self.linear)
+
     def read_gguf(self, checkpoint, name: str):
         """Parameter `name` (Hugging Face naming) as this architecture reads it from a GGUF
         file where llama.cpp's converter changed more than its name and row order (values

@@ -22,7 +22,6 @@ from strata.kvcache.spec import CacheSize
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.fused import enable_compile
 from strata.layers.linear import LinearFactory, WeightFormat
-from strata.layers.mtp import MTPHead
 from strata.layers.rotary import RotaryEmbedding
 from strata.models.registry import Architecture, get_architecture
 from strata.scheduler.window import WindowHeader
@@ -51,10 +50,8 @@ class StageModule(nn.Module):
             self.model.norm = arch.norm(c.hidden_size, c.rms_norm_eps)
             self.lm_head = arch.linear(c.hidden_size, c.vocab_size)
         if mtp:  # the MTP layer, sharing this stage's embedding (if any) and lm_head
-            self.mtp = MTPHead(c.num_layers, arch.make_layer(c.num_layers, self.rotary),
-                               vocab=c.vocab_size, hidden=c.hidden_size, eps=c.rms_norm_eps,
-                               embed=self.model.embed_tokens if first else None,
-                               lm_head=self.lm_head, linear=arch.linear)
+            self.mtp = arch.make_mtp(self.rotary, self.model.embed_tokens if first else None,
+                                     self.lm_head)
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta, caches: list[Cache]):
         """x: token ids [T] on the first stage, else hidden [T, hidden].
