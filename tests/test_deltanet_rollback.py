@@ -2,10 +2,13 @@
 sequences of windows — prompt chunks, decoding runs with random draft lengths, random
 acceptance, two slots in one window — leave every slot's state and every committed
 output equal to running its accepted tokens in one go, choosing rows as the scheduler
-does (the state after j accepted drafts in the entry's column 1 + j)."""
+does (the state after j accepted drafts in the entry's column 1 + j). The GPU's kernel
+for the delta rule (deltanet_triton.py, in triton's interpreter here) equals the
+reference loop, and compiles for SM86 and SM90."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -94,3 +97,64 @@ def test_rolled_back_state_equals_running_the_accepted_tokens(windows, seed):
             torch.testing.assert_close(torch.cat(outputs[slot]), want, rtol=1e-4, atol=1e-5)
             for got, expected in zip((t[current[slot]] for t in cache.tensors), state):
                 torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(1, 9), st.integers(0, 8), st.booleans(), st.integers(0, 2 ** 16))
+def test_the_triton_kernel_equals_the_token_loop(n, drafts, fresh, seed):
+    """deltanet_triton's kernel (triton's interpreter on the CPU) against the reference
+    loop: outputs and every state row written, fresh or not, any run length and kept
+    tail; key dim 8 and value dim 4 below the kernel's tile (masked)."""
+    pytest.importorskip("triton")
+    drafts = min(drafts, n - 1, MAX_DRAFTS)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, HIDDEN, generator=g)
+    start = 0 if fresh else 5
+    results = []
+    for path in ("reference", "triton"):
+        spec = state_spec(2, 4, 8, 4, 4)
+        cache = SlotStateCache(spec, ROWS, "cpu")
+        for t in cache.tensors:  # the same prior state for both paths
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(seed + 1)))
+        LAYER.path = path
+        try:
+            with torch.no_grad():
+                out = LAYER(x, meta([(start, n, list(range(ROWS)), drafts)]), cache)
+        finally:
+            LAYER.path = "auto"
+        results.append((out, [t.clone() for t in cache.tensors]))
+    (want, want_state), (got, got_state) = results
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for a, b in zip(got_state, want_state):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def compile_delta_rule(arch: int):
+    """deltanet_triton's kernel as the launcher passes it for Qwen3-Next's heads (key and
+    value dims 128), compiled for compute capability `arch` without a GPU."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from strata.layers import deltanet_triton
+
+    fn = deltanet_triton._gated_delta.fn
+    constants = dict(BLOCK_K=128, BLOCK_V=deltanet_triton.BLOCK_V)
+    signature = {name: ("constexpr" if name in constants else
+                        "*i64" if name == "rows_ptr" else
+                        "*fp32" if name.endswith("_ptr") else "i32")
+                 for name in inspect.signature(fn).parameters}
+    return triton.compile(ASTSource(fn=JITFunction(fn), signature=signature,
+                                    constexprs=constants),
+                          target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+
+
+def test_the_kernel_compiles_for_rtx3090_and_h200(tmp_path):
+    from conftest import SM86_SHARED, offline_compiled
+    code = ("from test_deltanet_rollback import compile_delta_rule\n"
+            "print(*[compile_delta_rule(arch).metadata.shared for arch in (86, 90)])")
+    shared = offline_compiled(code, tmp_path)
+    assert len(shared) == 2 and max(shared) <= SM86_SHARED

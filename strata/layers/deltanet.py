@@ -24,7 +24,8 @@ to columns 1, 2, ...: after the verifier accepts j drafts, column 1 + j holds th
 the slot goes on from. Nothing is copied back and nothing recomputed.
 
 The token loop here is the reference (CPU, fp32, tests): one step per token, as
-transformers' `torch_recurrent_gated_delta_rule`.
+transformers' `torch_recurrent_gated_delta_rule`. On CUDA the same loop runs as one Triton
+kernel per run (deltanet_triton.py); the rest of the layer is PyTorch.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from strata.kvcache.cache import SlotStateCache
 from strata.kvcache.spec import SlotStateSpec
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.linear import LinearFactory
+from strata.quant import triton_available
 
 
 class GatedRMSNorm(nn.Module):
@@ -82,6 +84,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(num_value_heads))
         self.norm = GatedRMSNorm(value_dim, eps)
         self.out_proj = linear(values, hidden)
+        self.path = "auto"  # the delta rule: "auto", "triton" or "reference" (_triton)
 
 
     def _split(self, qkvz: torch.Tensor, ba: torch.Tensor):
@@ -148,6 +151,11 @@ class GatedDeltaNet(nn.Module):
         k = _l2norm(k.view(n, self.num_key_heads, self.key_dim)).repeat_interleave(group, 1)
         q = q / self.key_dim ** 0.5
         v = v.reshape(n, self.num_value_heads, self.value_dim)
+        for i in range(keep, n):  # the convolution's window after each kept token
+            conv_states[rows[1 + i - keep]] = inputs[i + 1:i + kernel]
+        if self._triton(mixed):
+            from strata.layers.deltanet_triton import gated_delta_rule
+            return gated_delta_rule(q, k, v, g, beta, states, rows, keep, fresh)
         out = torch.empty(n, self.num_value_heads, self.value_dim, dtype=torch.float32,
                           device=mixed.device)
         for i in range(n):
@@ -157,10 +165,15 @@ class GatedDeltaNet(nn.Module):
             state = state + k[i][:, :, None] * delta[:, None, :]
             out[i] = (state * q[i][:, :, None]).sum(dim=1)
             if i >= keep:
-                target = rows[1 + i - keep]
-                conv_states[target] = inputs[i + 1:i + kernel]
-                states[target] = state
+                states[rows[1 + i - keep]] = state
         return out
+
+    def _triton(self, x: torch.Tensor) -> bool:
+        """The delta rule as deltanet_triton's kernel: `path` "triton", or "auto" on CUDA
+        where triton is installed; else the token loop here ("reference")."""
+        if self.path == "auto":
+            return x.is_cuda and triton_available()
+        return self.path == "triton"
 
 
 def state_spec(num_key_heads: int, num_value_heads: int, key_dim: int, value_dim: int,
