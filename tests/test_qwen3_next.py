@@ -102,9 +102,9 @@ def test_logits_and_greedy_match_transformers(request, kind):
 
 DRAFT_CASES = {
     "one request": dict(parallel=1),
-    "several at once": dict(parallel=4, max_window_tokens=24),
+    "eight at once": dict(parallel=8, max_window_tokens=24),
     "windows ahead": dict(parallel=4, schedule_ahead="on", spec_window_cost=0.0),
-    "two stage processes, two groups": dict(parallel=4, devices=("cpu", "cpu"),
+    "two stage processes, two groups": dict(parallel=8, devices=("cpu", "cpu"),
                                             layer_split=(4,), batch_groups=2),
 }
 
@@ -142,7 +142,7 @@ class Oracle:
 def test_greedy_output_is_the_same_with_drafts(qwen3_next, case):
     folder, model = qwen3_next
     settings = DRAFT_CASES[case]
-    count = 1 if settings["parallel"] == 1 else 6
+    count = 1 if settings["parallel"] == 1 else 8
     batch = prompts(count, model.config.vocab_size, seed=3, low=4, high=40)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     plain = Engine(EngineConfig(model=str(folder), max_context=256, spec=0,
@@ -281,6 +281,28 @@ def test_a_gguf_in_llama_cpps_qwen3next_layout_gives_the_same_logits(tmp_path):
         with torch.no_grad():
             ref = model(torch.tensor([ids])).logits[0]
         assert_logits_close(engine.score(ids), ref)
+
+
+@pytest.mark.parametrize("case", ["eight at once", "two stage processes, two groups"])
+def test_suffix_and_lookup_drafts_keep_greedy_output(qwen3_next, case):
+    """The CPU proposers' own drafts (prompts that repeat themselves, so they draft), 8
+    requests at once with prompt chunks and decoding in the same windows."""
+    folder, model = qwen3_next
+    settings = dict(parallel=8, max_window_tokens=32)
+    if case.startswith("two"):
+        settings.update(devices=("cpu", "cpu"), layer_split=(4,), batch_groups=2)
+    batch = [ids * 4 for ids in prompts(8, model.config.vocab_size, seed=21, low=3, high=9)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = Engine(EngineConfig(model=str(folder), max_context=256, spec=0, parallel=8))
+    want = plain.generate(batch, params)
+    engine = Engine(EngineConfig(model=str(folder), max_context=256, spec=4,
+                                 spec_type=("suffix", "lookup"), spec_token_cost=0.0,
+                                 **settings))
+    try:
+        assert engine.generate(batch, params) == want
+        assert engine.draft_stats.drafted > 0
+    finally:
+        engine.close()
 
 
 @pytest.fixture(scope="module")
