@@ -54,7 +54,7 @@ def window(slots: int, width: int, drafts: int, rows: int, device) -> ForwardMet
         logits_idx=torch.zeros(0, dtype=torch.long, device=device),
         query_lens=(width,) * slots, backend=None, attention=None,
         state_rows=torch.arange(slots * rows, device=device).view(slots, rows),
-        num_drafts=(drafts,) * slots)
+        num_drafts=(drafts,) * slots, starts=(100,) * slots)
 
 
 def median_ms(fn, device: torch.device, repeats: int) -> float:

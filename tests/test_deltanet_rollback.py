@@ -43,7 +43,8 @@ def meta(entries: list[tuple[int, int, list[int], int]]) -> ForwardMeta:
         logits_idx=torch.zeros(0, dtype=torch.long),
         query_lens=tuple(n for _, n, _, _ in entries), backend=None, attention=None,
         state_rows=torch.tensor([rows for _, _, rows, _ in entries]),
-        num_drafts=tuple(k for _, _, _, k in entries))
+        num_drafts=tuple(k for _, _, _, k in entries),
+        starts=tuple(p for p, _, _, _ in entries))
 
 
 def one_go(slot: int, length: int, cache: SlotStateCache):

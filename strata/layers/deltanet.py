@@ -18,7 +18,7 @@ State (the cache's two tensors per row): the convolution's last `conv_kernel - 1
 [conv_kernel - 1, conv_dim] and the delta rule's S [value heads, key dim, value dim], in
 float32. Rows (ForwardMeta.state_rows, one list per entry, chosen by the scheduler):
 column 0 holds the state before the entry's run (ignored where the run starts at position
-0: a fresh sequence); the state after each token that may end up the last one committed
+0, ForwardMeta.starts: a fresh sequence); the state after each token that may end up the last one committed
 — the run's last known token and each of its drafts (ForwardMeta.num_drafts) — is written
 to columns 1, 2, ...: after the verifier accepts j drafts, column 1 + j holds the state
 the slot goes on from. Nothing is copied back and nothing recomputed.
@@ -122,7 +122,7 @@ class GatedDeltaNet(nn.Module):
         for entry, count in enumerate(meta.query_lens):
             run = slice(offset, offset + count)
             rows = meta.state_rows[entry]
-            fresh = bool(meta.positions[offset] == 0)
+            fresh = meta.starts[entry] == 0  # NOTE: from the host: no sync per entry
             keep = count - 1 - meta.num_drafts[entry]  # first token whose state is kept
             out[run] = self._run(mixed[run], beta[run], g[run], rows, fresh, keep,
                                  conv_states, states)

@@ -29,17 +29,19 @@ class ForwardMeta:
                                             # states after its last known token and each
                                             # draft go (layers/deltanet.py)
     num_drafts: tuple[int, ...] = ()        # drafts each entry carries (state layers)
+    starts: tuple[int, ...] = ()            # each entry's first position (state layers:
+                                            # 0 is a fresh sequence), known on the host
 
     @classmethod
     def build(cls, batch: AttentionBatch, backend: AttentionBackend, device: torch.device,
               logits_idx: torch.Tensor, state_rows: torch.Tensor | None = None,
-              num_drafts: tuple[int, ...] = ()) -> ForwardMeta:
+              num_drafts: tuple[int, ...] = (), starts: tuple[int, ...] = ()) -> ForwardMeta:
         move = dict(device=device, non_blocking=True)
         return cls(positions=batch.positions.to(**move), logits_idx=logits_idx.to(**move),
                    query_lens=tuple(batch.query_lens), backend=backend,
                    attention=backend.prepare(batch, device),
                    state_rows=None if state_rows is None else state_rows.to(**move),
-                   num_drafts=tuple(num_drafts))
+                   num_drafts=tuple(num_drafts), starts=tuple(starts))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache,
                scale: float | None = None) -> torch.Tensor:

@@ -134,7 +134,7 @@ class Stage:
         batch = AttentionBatch(header.query_lens, header.positions, header.slot_mapping,
                                header.block_tables, header.block_size)
         return ForwardMeta.build(batch, self.backend, self.device, header.logits_idx(),
-                                 header.state_rows, header.num_drafts)
+                                 header.state_rows, header.num_drafts, header.starts)
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, meta: ForwardMeta | GraphCall):
