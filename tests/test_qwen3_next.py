@@ -178,20 +178,31 @@ def test_the_real_shape_preset_reads_as_qwen3_next():
     assert (config.num_experts, config.num_experts_per_tok, config.rotary_dim) == (512, 10, 64)
 
 
-def write_qwen3next_gguf(model, path) -> None:
-    """`model` (transformers Qwen3-Next) written as llama.cpp's converter writes it
-    (convert_hf_to_gguf.py, Qwen3NextModel): norms plus 1 but the DeltaNet's, A_log as
+def tiled(tensor: torch.Tensor, key_heads: int, value_heads: int, dim: int,
+          axis: int = 0) -> torch.Tensor:
+    """llama.cpp's converter's reorder of value heads (qwen35moe): grouped by key head
+    (g * r + j) to tiled (j * key_heads + g), along `axis`."""
+    shape = list(tensor.shape)
+    parts = shape[:axis] + [key_heads, value_heads // key_heads, dim] + shape[axis + 1:]
+    return tensor.reshape(parts).transpose(axis, axis + 1).reshape(shape)
+
+
+def write_qwen3next_gguf(model, path, arch: str = "qwen3next") -> None:
+    """`model` (transformers Qwen3-Next, or Qwen3.5 MoE for `qwen35moe`) written as
+    llama.cpp's converter writes it (convert_hf_to_gguf.py, Qwen3NextModel and, for
+    Qwen3.5, _LinearAttentionVReorderBase): norms plus 1 but the DeltaNet's, A_log as
     -exp(A_log), conv1d squeezed, dt_bias as ssm_dt.bias, in_proj_qkvz split into
-    attn_qkv (q of every head, then k, then v) and attn_gate (z), experts stacked."""
+    attn_qkv (q of every head, then k, then v) and attn_gate (z), experts stacked; for
+    qwen35moe every tensor indexed by value head with the heads tiled."""
     import gguf
     import numpy as np
 
     c = model.config
-    w = gguf.GGUFWriter(str(path), "qwen3next")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
+    w.add_feed_forward_length(getattr(c, "intermediate_size", None) or c.moe_intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_key_length(c.head_dim)
@@ -209,6 +220,8 @@ def write_qwen3next_gguf(model, path) -> None:
     w.add_ssm_time_step_rank(c.linear_num_value_heads)
     w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
     w.add_full_attention_interval(4)
+    hk, dk, hv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads
+    dv, keys = c.linear_value_head_dim, 2 * c.linear_num_key_heads * c.linear_key_head_dim
     w.add_vocab_size(c.vocab_size)
     names = {"input_layernorm.weight": "attn_norm.weight",
              "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -227,9 +240,13 @@ def write_qwen3next_gguf(model, path) -> None:
              "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
              "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.A_log": "ssm_a",
              "linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.norm.weight": "ssm_norm.weight",
-             "linear_attn.out_proj.weight": "ssm_out.weight"}
-    hk, dk = c.linear_num_key_heads, c.linear_key_head_dim
-    per_head_v = c.linear_num_value_heads // hk * c.linear_value_head_dim
+             "linear_attn.out_proj.weight": "ssm_out.weight",
+             "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+             "linear_attn.in_proj_z.weight": "attn_gate.weight",
+             "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+             "linear_attn.in_proj_a.weight": "ssm_alpha.weight"}
+    per_head_v = hv // hk * dv
+    qwen35 = arch == "qwen35moe"
 
     def add(name, tensor):
         w.add_tensor(name, np.ascontiguousarray(tensor.detach().float().numpy()))
@@ -241,9 +258,13 @@ def write_qwen3next_gguf(model, path) -> None:
     for i in range(c.num_hidden_layers):
         prefix = f"model.layers.{i}."
         if f"{prefix}mlp.experts.down_proj" in state:  # [E, 2I, H]: gate rows, then up
-            gate, up = state[f"{prefix}mlp.experts.gate_up_proj"].chunk(2, dim=1)
-            add(f"blk.{i}.ffn_gate_exps.weight", gate)
-            add(f"blk.{i}.ffn_up_exps.weight", up)
+            gate_up = state[f"{prefix}mlp.experts.gate_up_proj"]
+            if qwen35:  # fused, as qwen35moe files keep them
+                add(f"blk.{i}.ffn_gate_up_exps.weight", gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=1)
+                add(f"blk.{i}.ffn_gate_exps.weight", gate)
+                add(f"blk.{i}.ffn_up_exps.weight", up)
             add(f"blk.{i}.ffn_down_exps.weight", state[f"{prefix}mlp.experts.down_proj"])
         for key, tensor in state.items():
             if not key.startswith(prefix) or ".experts." in key:
@@ -256,6 +277,16 @@ def write_qwen3next_gguf(model, path) -> None:
                 add(f"blk.{i}.attn_qkv.weight", torch.cat(flat[:3]))
                 add(f"blk.{i}.attn_gate.weight", flat[3])
                 continue
+            if qwen35 and local.startswith("linear_attn."):  # value heads tiled
+                if local in ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight"):
+                    tensor = torch.cat([tensor[:keys], tiled(tensor[keys:], hk, hv, dv)])
+                elif local == "linear_attn.in_proj_z.weight":
+                    tensor = tiled(tensor, hk, hv, dv)
+                elif local in ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight",
+                               "linear_attn.A_log", "linear_attn.dt_bias"):
+                    tensor = tiled(tensor, hk, hv, 1)
+                elif local == "linear_attn.out_proj.weight":
+                    tensor = tiled(tensor, hk, hv, dv, axis=1)
             if local.endswith("norm.weight") and not local.startswith("linear_attn"):
                 tensor = tensor + 1
             elif local == "linear_attn.A_log":
@@ -269,13 +300,19 @@ def write_qwen3next_gguf(model, path) -> None:
     w.close()
 
 
-def test_a_gguf_in_llama_cpps_qwen3next_layout_gives_the_same_logits(tmp_path):
-    model = build_qwen3_next(tmp_path, mlp_only_layers=[])  # llama.cpp: every layer MoE
-    path = tmp_path / "tiny-qwen3next.gguf"
-    write_qwen3next_gguf(model, path)
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe"])
+def test_a_gguf_in_llama_cpps_layout_gives_the_same_logits(tmp_path, arch):
+    if arch == "qwen3next":
+        model = build_qwen3_next(tmp_path, mlp_only_layers=[])  # llama.cpp: every layer MoE
+    else:
+        model = build_qwen3_5_moe(tmp_path)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_qwen3next_gguf(model, path, arch)
     engine = Engine(EngineConfig(model=str(path), max_context=256, spec=0))
     config = engine.model_config
-    assert config.architecture == "qwen3_next" and config.rotary_dim == 4
+    assert config.architecture == {"qwen3next": "qwen3_next",
+                                   "qwen35moe": "qwen3_5_moe"}[arch]
+    assert config.rotary_dim == 4
     assert config.layer_types == tuple(model.config.layer_types)
     for ids in prompts(2, model.config.vocab_size, seed=8, low=5, high=40):
         with torch.no_grad():

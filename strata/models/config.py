@@ -14,7 +14,7 @@ from strata.layers.rotary import rope_kind
 
 # GGUF's `general.architecture` values -> Strata architecture names.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-                      "qwen3next": "qwen3_next"}
+                      "qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe"}
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ class ModelConfig:
         vocab = fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens", []))
         eos = fields.get("tokenizer.ggml.eos_token_id")
         hybrid = {}
-        if arch == "qwen3next":  # Gated DeltaNet layers, then one full attention layer
+        if arch in ("qwen3next", "qwen35moe"):  # Gated DeltaNet layers, then full attention
             layers, interval = int(get("block_count")), int(get("full_attention_interval", 4))
             value_heads = int(get("ssm.time_step_rank"))
             hybrid = dict(
@@ -211,8 +211,8 @@ class ModelConfig:
             num_experts=int(fields.get(f"{arch}.expert_count") or 0),
             num_experts_per_tok=int(fields.get(f"{arch}.expert_used_count") or 0),
             moe_intermediate_size=int(fields.get(f"{arch}.expert_feed_forward_length") or 0),
-            # llama.cpp's qwen3moe and qwen3next always renormalise the top-k weights.
-            norm_topk_prob=arch in ("qwen3moe", "qwen3next"),
+            # llama.cpp's qwen3moe, qwen3next and qwen35moe renormalise the top-k weights.
+            norm_topk_prob=arch in ("qwen3moe", "qwen3next", "qwen35moe"),
             eos_token_ids=() if eos is None else (int(eos),),
             **hybrid,
         )

@@ -6,9 +6,10 @@ a layer has is the config's `layer_types`. Qwen3.5 MoE stores the DeltaNet's pro
 apart, routes every layer through experts and always renormalises the top-k weights.
 
 The MTP layer (`mtp.*`, Hugging Face folders: layers/mtp.py's Qwen3NextMTP) drafts as the
-other MTP architectures' do. GGUF: llama.cpp's `qwen3next` layout (`read_gguf`; its
-converter drops the MTP tensors). Not yet: Qwen3.5 GGUF files, CUDA graphs or GPU kernels
-for the DeltaNet layers (they run eagerly, token by token)."""
+other MTP architectures' do. GGUF: llama.cpp's `qwen3next` and `qwen35moe` layouts
+(`read_gguf`; their converter drops the MTP tensors by default). Not yet: CUDA graphs for
+stages with DeltaNet layers (they run eagerly; the delta rule is one Triton kernel per
+run on CUDA: layers/deltanet_triton.py)."""
 
 from __future__ import annotations
 
@@ -132,3 +133,47 @@ class Qwen35Moe(Qwen3Next):
     hf_names = ("Qwen3_5MoeForCausalLM",)
     split_projections = True  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
     norm_topk_prob = True
+
+    def read_gguf(self, checkpoint, name: str):
+        """llama.cpp's `qwen35moe` layout: qwen3next's value changes (norms plus 1, A_log
+        as -exp(A_log), conv1d squeezed), the projections apart as in Hugging Face's
+        files, and every tensor indexed by value head reordered from grouped by key head
+        (h = g * r + j) to tiled (j * key heads + g) — undone here by taking rows (kept in
+        their blocks) or, for out_proj's columns, by dequantizing."""
+        c = self.config
+        if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            return super().read_gguf(checkpoint, name)
+        if ".linear_attn." not in name:
+            return None
+        hk, hv, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim
+        keys = 2 * hk * c.linear_key_head_dim
+        owner, _, local = name.partition(".linear_attn.")
+        if local == "A_log":
+            a = checkpoint.read(f"{owner}.linear_attn.ssm_a").dense(torch.float32)
+            return StoredTensor.of(torch.log(-a[_grouped(hk, hv, 1)]))
+        if local == "dt_bias":
+            return StoredTensor.of(checkpoint.read(name).dense(torch.float32)[_grouped(hk, hv, 1)])
+        if local in ("in_proj_b.weight", "in_proj_a.weight"):
+            return checkpoint.read(name).take_rows(_grouped(hk, hv, 1))
+        if local == "in_proj_z.weight":
+            return checkpoint.read(name).take_rows(_grouped(hk, hv, dv))
+        if local == "in_proj_qkv.weight":
+            rows = torch.cat([torch.arange(keys), keys + _grouped(hk, hv, dv)])
+            return checkpoint.read(name).take_rows(rows)
+        if local == "conv1d.weight":
+            rows = torch.cat([torch.arange(keys), keys + _grouped(hk, hv, dv)])
+            dense = checkpoint.read(name).dense(torch.float32)[rows]
+            return StoredTensor.of(dense.unsqueeze(1))
+        if local == "out_proj.weight":
+            dense = checkpoint.read(name).dense(torch.float32)
+            return StoredTensor.of(dense[:, _grouped(hk, hv, dv)])
+        return None
+
+
+def _grouped(key_heads: int, value_heads: int, dim: int) -> torch.Tensor:
+    """Indices into a tensor whose value heads (of `dim` entries each) are tiled (head
+    j * key_heads + g) that read them grouped by key head (head g * r + j, r = value
+    heads per key head), as Hugging Face's files order them."""
+    r = value_heads // key_heads
+    heads = [j * key_heads + g for g in range(key_heads) for j in range(r)]
+    return torch.tensor([h * dim + d for h in heads for d in range(dim)], dtype=torch.long)

@@ -30,8 +30,9 @@ _LAYER_NAMES = {
     "ffn_gate_exps.weight": "mlp.experts.gate_proj",
     "ffn_up_exps.weight": "mlp.experts.up_proj",
     "ffn_down_exps.weight": "mlp.experts.down_proj",
-    # qwen3next: the shared expert and its gate, the Gated DeltaNet's tensors (their
-    # values and row order as llama.cpp's converter wrote them: models/qwen3_next.py)
+    # qwen3next and qwen35moe: the shared expert and its gate, the Gated DeltaNet's
+    # tensors (their values and row order as llama.cpp's converter wrote them:
+    # models/qwen3_next.py)
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
@@ -40,6 +41,9 @@ _LAYER_NAMES = {
     "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
     "attn_gate.weight": "linear_attn.in_proj_z.weight",
     "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",    # qwen35moe
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
     "ssm_conv1d.weight": "linear_attn.conv1d.weight",
     "ssm_a": "linear_attn.ssm_a",
     "ssm_dt.bias": "linear_attn.dt_bias",
