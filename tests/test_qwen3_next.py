@@ -376,8 +376,8 @@ def qwen3_next_mtp(tmp_path_factory, qwen3_next):
 
 MTP_CASES = {
     "one request": dict(parallel=1),
-    "several at once": dict(parallel=4, max_window_tokens=24),
-    "two stage processes, two groups": dict(parallel=4, devices=("cpu", "cpu"),
+    "eight at once": dict(parallel=8, max_window_tokens=24),
+    "two stage processes, two groups": dict(parallel=8, devices=("cpu", "cpu"),
                                             layer_split=(4,), batch_groups=2),
 }
 
@@ -385,7 +385,7 @@ MTP_CASES = {
 @pytest.mark.parametrize("case", list(MTP_CASES))
 def test_mtp_drafts_keep_greedy_output(qwen3_next_mtp, case):
     settings = MTP_CASES[case]
-    batch = prompts(1 if settings["parallel"] == 1 else 5, 320, seed=12, low=4, high=30)
+    batch = prompts(1 if settings["parallel"] == 1 else 8, 320, seed=12, low=4, high=30)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     plain = Engine(EngineConfig(model=str(qwen3_next_mtp), max_context=256, spec=0,
                                 parallel=settings["parallel"]))
