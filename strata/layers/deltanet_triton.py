@@ -21,7 +21,9 @@ import triton.language as tl
 BLOCK_V = 32  # value columns per program
 
 
-@triton.jit
+# NOTE: the run's length, first kept token and freshness change every window: not
+# specialised (triton would compile a variant for each of them equal to 1, mid-serving).
+@triton.jit(do_not_specialize=["num_tokens", "keep", "fresh"])
 def _gated_delta(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, rows_ptr, out_ptr,
                  num_tokens, keep, fresh, heads, key_dim, value_dim,
                  BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
