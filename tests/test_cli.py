@@ -82,7 +82,7 @@ def test_unsupported_architecture(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     assert_clean_error(generate(capsys, PROMPT, "--model", str(tmp_path)), "GPT2LMHeadModel",
-                       "llama, qwen3, qwen3_5_moe, qwen3_moe, qwen3_next")
+                       "llama, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next")
 
 
 def test_prompt_longer_than_context(capsys, tiny_served_model):

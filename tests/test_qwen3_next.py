@@ -56,6 +56,22 @@ def build_qwen3_5_moe(folder):
     return model
 
 
+def build_qwen3_5(folder):
+    """A tiny random Qwen3.5 dense text model (the MoE one's layers, a gated MLP)."""
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(98)
+    config = Qwen3_5TextConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, max_position_embeddings=512)
+    model = Qwen3_5ForCausalLM(config).eval()
+    randomise(model)
+    model.save_pretrained(folder)
+    return model
+
+
 def randomise(model) -> None:
     """Weights that initialise to constants (norms, the decay's parameters, the router)
     drawn at random, so that a mistake in them shows."""
@@ -84,7 +100,13 @@ def qwen3_5_moe(tmp_path_factory):
     return folder, build_qwen3_5_moe(folder)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe"])
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3_5")
+    return folder, build_qwen3_5(folder)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe", "qwen3_5"])
 def test_logits_and_greedy_match_transformers(request, kind):
     folder, model = request.getfixturevalue(kind)
     engine = Engine(EngineConfig(model=str(folder), max_context=256, spec=0))
@@ -210,10 +232,11 @@ def write_qwen3next_gguf(model, path, arch: str = "qwen3next") -> None:
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
-    w.add_expert_count(c.num_experts)
-    w.add_expert_used_count(c.num_experts_per_tok)
-    w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    if getattr(c, "num_experts", 0):
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
     w.add_ssm_state_size(c.linear_key_head_dim)
     w.add_ssm_group_count(c.linear_num_key_heads)
@@ -246,7 +269,7 @@ def write_qwen3next_gguf(model, path, arch: str = "qwen3next") -> None:
              "linear_attn.in_proj_b.weight": "ssm_beta.weight",
              "linear_attn.in_proj_a.weight": "ssm_alpha.weight"}
     per_head_v = hv // hk * dv
-    qwen35 = arch == "qwen35moe"
+    qwen35 = arch in ("qwen35moe", "qwen35")
 
     def add(name, tensor):
         w.add_tensor(name, np.ascontiguousarray(tensor.detach().float().numpy()))
@@ -300,18 +323,20 @@ def write_qwen3next_gguf(model, path, arch: str = "qwen3next") -> None:
     w.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe"])
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe", "qwen35"])
 def test_a_gguf_in_llama_cpps_layout_gives_the_same_logits(tmp_path, arch):
     if arch == "qwen3next":
         model = build_qwen3_next(tmp_path, mlp_only_layers=[])  # llama.cpp: every layer MoE
-    else:
+    elif arch == "qwen35moe":
         model = build_qwen3_5_moe(tmp_path)
+    else:
+        model = build_qwen3_5(tmp_path)
     path = tmp_path / f"tiny-{arch}.gguf"
     write_qwen3next_gguf(model, path, arch)
     engine = Engine(EngineConfig(model=str(path), max_context=256, spec=0))
     config = engine.model_config
-    assert config.architecture == {"qwen3next": "qwen3_next",
-                                   "qwen35moe": "qwen3_5_moe"}[arch]
+    assert config.architecture == {"qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe",
+                                   "qwen35": "qwen3_5"}[arch]
     assert config.rotary_dim == 4
     assert config.layer_types == tuple(model.config.layer_types)
     for ids in prompts(2, model.config.vocab_size, seed=8, low=5, high=40):

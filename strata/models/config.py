@@ -14,13 +14,14 @@ from strata.layers.rotary import rope_kind
 
 # GGUF's `general.architecture` values -> Strata architecture names.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-                      "qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe"}
+                      "qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe",
+                      "qwen35": "qwen3_5"}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # registry key: "llama", "qwen3", "qwen3_moe", "glm4_moe",
-                       # "deepseek_v3", "qwen3_next", "qwen3_5_moe"
+                       # "deepseek_v3", "qwen3_next", "qwen3_5_moe", "qwen3_5"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -181,7 +182,7 @@ class ModelConfig:
         vocab = fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens", []))
         eos = fields.get("tokenizer.ggml.eos_token_id")
         hybrid = {}
-        if arch in ("qwen3next", "qwen35moe"):  # Gated DeltaNet layers, then full attention
+        if arch in ("qwen3next", "qwen35moe", "qwen35"):  # DeltaNet layers, then attention
             layers, interval = int(get("block_count")), int(get("full_attention_interval", 4))
             value_heads = int(get("ssm.time_step_rank"))
             hybrid = dict(

@@ -1,4 +1,4 @@
-"""Qwen3-Next and Qwen3.5 MoE (text): a hybrid of Gated DeltaNet layers (linear attention, state per slot:
+"""Qwen3-Next and Qwen3.5 (MoE and dense, text): a hybrid of Gated DeltaNet layers (linear attention, state per slot:
 layers/deltanet.py) and gated full-attention layers (a sigmoid output gate per head from
 q_proj, partial rotary, q/k norms), every norm zero-centred (scales by 1 + weight, but the
 DeltaNet's own output norm), and MoE feed-forwards with a gated shared expert. Which mixer
@@ -177,3 +177,11 @@ def _grouped(key_heads: int, value_heads: int, dim: int) -> torch.Tensor:
     r = value_heads // key_heads
     heads = [j * key_heads + g for g in range(key_heads) for j in range(r)]
     return torch.tensor([h * dim + d for h in heads for d in range(dim)], dtype=torch.long)
+
+
+@register
+class Qwen35(Qwen35Moe):
+    """Qwen3.5 dense (text): Qwen3.5 MoE's layers with a gated MLP instead of experts
+    (the config has no experts, so every layer's feed-forward is dense)."""
+    name = "qwen3_5"
+    hf_names = ("Qwen3_5ForCausalLM",)
