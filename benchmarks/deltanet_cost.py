@@ -17,13 +17,12 @@ layers are not captured in CUDA graphs yet).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
 from strata.bench.report import add_record_flags, commit, machine, markdown_table, record
+from strata.bench.timing import median_seconds, random_weights
 from strata.kvcache.cache import SlotStateCache
 from strata.layers.deltanet import GatedDeltaNet, state_spec
 from strata.layers.forward_meta import ForwardMeta
@@ -38,12 +37,7 @@ def layer(preset: dict, device: torch.device, dtype: torch.dtype) -> GatedDeltaN
                            preset["linear_num_value_heads"], preset["linear_key_head_dim"],
                            preset["linear_value_head_dim"], preset["linear_conv_kernel_dim"],
                            preset["rms_norm_eps"], LinearFactory(WeightFormat(dtype)))
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.data = torch.empty(p.shape, dtype=dtype, device=device).normal_(
-                0.0, 0.02, generator=gen)
-    return module
+    return random_weights(module, device, dtype)
 
 
 def window(slots: int, width: int, drafts: int, rows: int, device) -> ForwardMeta:
@@ -55,20 +49,6 @@ def window(slots: int, width: int, drafts: int, rows: int, device) -> ForwardMet
         query_lens=(width,) * slots, backend=None, attention=None,
         state_rows=torch.arange(slots * rows, device=device).view(slots, rows),
         num_drafts=(drafts,) * slots, starts=(100,) * slots)
-
-
-def median_ms(fn, device: torch.device, repeats: int) -> float:
-    fn()  # compiles and warms up
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def main() -> int:
@@ -107,7 +87,8 @@ def main() -> int:
             ms = {}
             for path in paths:
                 module.path = path
-                ms[path] = median_ms(lambda: module(x, meta, cache), device, args.repeats)
+                ms[path] = 1e3 * median_seconds(lambda: module(x, meta, cache), device,
+                                                args.repeats, eager=True)
             raw[label] = ms
             rows_out.append([label] + [f"{ms[p]:.3f}" for p in paths])
     one = raw[f"verify w={widths[0]}"]

@@ -25,7 +25,7 @@ import time
 import torch
 
 from strata.bench.report import add_record_flags, commit, machine, markdown_table, record
-from strata.bench.timing import median_seconds
+from strata.bench.timing import median_seconds, random_weights
 from strata.layers.linear import LinearFactory, WeightFormat
 from strata.layers.moe import SparseMoE
 from strata.weights.random_checkpoint import PRESETS
@@ -39,12 +39,7 @@ def moe_layer(args, device: torch.device, dtype: torch.dtype) -> SparseMoE:
                       args.experts or preset["num_experts"],
                       args.top_k or preset["num_experts_per_tok"], preset["norm_topk_prob"],
                       LinearFactory(WeightFormat(dtype)))
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.data = torch.empty(p.shape, dtype=dtype, device=device).normal_(
-                0.0, 0.02, generator=gen)
-    return layer
+    return random_weights(layer, device, dtype)
 
 
 def bandwidth(device: torch.device) -> float:

@@ -126,6 +126,27 @@ def prompts(n: int, vocab: int, seed: int = 0, low: int = 3, high: int = 40) -> 
 
 
 SM86_SHARED = 99 * 1024  # the most shared memory a block may use on an RTX 3090
+TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def compile_kernel(kernel, arch: int, constants: dict, types, options: dict):
+    """`kernel` (a triton.jit function) as triton compiles it for an NVIDIA GPU of compute
+    capability `arch`, without one: `constants` its constexprs, `types(name)` the triton
+    type of each other argument, `options` the launch's (num_warps, num_stages). Only in a
+    process where the interpreter is off (offline_compiled)."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    fn = kernel.fn  # the Python function under jit or interpreter
+    signature = {name: "constexpr" if name in constants else types(name)
+                 for name in inspect.signature(fn).parameters}
+    return triton.compile(ASTSource(fn=JITFunction(fn), signature=signature,
+                                    constexprs=constants),
+                          target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def offline_compiled(code: str, cache: Path) -> list[int]:

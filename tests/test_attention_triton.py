@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import SM86_SHARED, offline_compiled, prompts
+from conftest import SM86_SHARED, TRITON_TYPES, compile_kernel, offline_compiled, prompts
 
 from strata.attention import AttentionBatch, copy_meta, get_backend
 from strata.config import EngineConfig
@@ -195,42 +195,24 @@ def compile_offline(arch: int, head_dim: int, group: int, q_dtype, kv_dtype,
                     splits: int = 1):
     """The kernel as triton compiles it for an NVIDIA GPU of compute capability `arch`
     (no GPU needed), with the constants the launcher would pass."""
-    import inspect
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
     from strata.attention import triton_kernel
 
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     constants, num_warps = triton_kernel.kernel_constants(head_dim, group, q_dtype, kv_dtype, 16)
     constants["NUM_SPLITS"] = splits
-    kernels = [(triton_kernel._paged_attention, constants, num_warps)]
-    if splits > 1:
-        kernels.append((triton_kernel._combine_splits,
-                        {k: constants[k] for k in ("HEAD_DIM", "BLOCK_D", "NUM_SPLITS")}, 1))
-    compiled = []
-    for kernel, constexprs, warps in kernels:
-        fn = kernel.fn  # the Python function under jit or interpreter
-        signature = {}
-        for name in inspect.signature(fn).parameters:
-            if name in constexprs:
-                signature[name] = "constexpr"
-            elif name in ("q_ptr", "out_ptr"):
-                signature[name] = "*" + names[q_dtype]
-            elif name in ("key_ptr", "value_ptr"):
-                signature[name] = "*" + names[kv_dtype]
-            else:
-                signature[name] = ("*fp32" if name.startswith("split_") else
-                                   "*i32" if name.endswith("_ptr") else
-                                   "fp32" if name == "qk_scale" else "i32")
-        compiled.append(triton.compile(ASTSource(fn=JITFunction(fn), signature=signature,
-                                                 constexprs=constexprs),
-                                       target=GPUTarget("cuda", arch, 32),
-                                       options=dict(num_warps=warps, num_stages=2)))
-    return compiled[0]
+
+    def types(name: str) -> str:
+        return ("*" + TRITON_TYPES[q_dtype] if name in ("q_ptr", "out_ptr") else
+                "*" + TRITON_TYPES[kv_dtype] if name in ("key_ptr", "value_ptr") else
+                "*fp32" if name.startswith("split_") else
+                "*i32" if name.endswith("_ptr") else
+                "fp32" if name == "qk_scale" else "i32")
+
+    if splits > 1:  # the combining kernel must compile too
+        compile_kernel(triton_kernel._combine_splits, arch,
+                       {k: constants[k] for k in ("HEAD_DIM", "BLOCK_D", "NUM_SPLITS")},
+                       types, dict(num_warps=1, num_stages=2))
+    return compile_kernel(triton_kernel._paged_attention, arch, constants, types,
+                          dict(num_warps=num_warps, num_stages=2))
 
 
 SERVED = [(64, 3, "bfloat16", "bfloat16"),   # SmolLM2: head dim, GQA group, q, cache

@@ -133,24 +133,16 @@ def test_the_triton_kernel_equals_the_token_loop(n, drafts, fresh, seed):
 def compile_delta_rule(arch: int):
     """deltanet_triton's kernel as the launcher passes it for Qwen3-Next's heads (key and
     value dims 128), compiled for compute capability `arch` without a GPU."""
-    import inspect
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
+    from conftest import compile_kernel
 
     from strata.layers import deltanet_triton
 
-    fn = deltanet_triton._gated_delta.fn
-    constants = dict(BLOCK_K=128, BLOCK_V=deltanet_triton.BLOCK_V)
-    signature = {name: ("constexpr" if name in constants else
-                        "*i64" if name == "rows_ptr" else
-                        "*fp32" if name.endswith("_ptr") else "i32")
-                 for name in inspect.signature(fn).parameters}
-    return triton.compile(ASTSource(fn=JITFunction(fn), signature=signature,
-                                    constexprs=constants),
-                          target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+    def types(name: str) -> str:
+        return "*i64" if name == "rows_ptr" else "*fp32" if name.endswith("_ptr") else "i32"
+
+    return compile_kernel(deltanet_triton._gated_delta, arch,
+                          dict(BLOCK_K=128, BLOCK_V=deltanet_triton.BLOCK_V), types,
+                          dict(num_warps=4))
 
 
 def test_the_kernel_compiles_for_rtx3090_and_h200(tmp_path):

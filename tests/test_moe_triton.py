@@ -14,7 +14,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import SM86_SHARED, offline_compiled
+from conftest import SM86_SHARED, TRITON_TYPES, compile_kernel, offline_compiled
 
 pytest.importorskip("triton")
 
@@ -226,47 +226,33 @@ def compile_offline(arch: int, tokens: int, dtype, hidden: int = 2048, inter: in
     """`_gate_up` and `_down` for a window of `tokens` tokens of `dtype` (Qwen3-30B-A3B's
     expert shape by default) as triton compiles them for an NVIDIA GPU of compute
     capability `arch` (no GPU needed), with the constants the launcher passes."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     gate_up, down, launch = moe_triton.kernel_constants(tokens, hidden, inter, dtype)
-    compiled = []
-    for kernel, constants in ((moe_triton._gate_up, gate_up), (moe_triton._down, down)):
-        fn = kernel.fn  # the Python function under jit or interpreter
-        signature = {}
-        for name in inspect.signature(fn).parameters:
-            signature[name] = ("constexpr" if name in constants else
-                               "*i32" if name in ("counts_ptr", "starts_ptr") else
-                               "*i64" if name in ("listed_ptr", "order_ptr") else
-                               "*fp32" if name == "out_ptr" else
-                               "*" + names[dtype] if name.endswith("_ptr") else "i32")
-        compiled.append(triton.compile(
-            ASTSource(fn=JITFunction(fn), signature=signature, constexprs=constants),
-            target=GPUTarget("cuda", arch, 32), options=launch))
-    return compiled
+
+    def types(name: str) -> str:
+        return ("*i32" if name in ("counts_ptr", "starts_ptr") else
+                "*i64" if name in ("listed_ptr", "order_ptr") else
+                "*fp32" if name == "out_ptr" else
+                "*" + TRITON_TYPES[dtype] if name.endswith("_ptr") else "i32")
+
+    return [compile_kernel(kernel, arch, constants, types, launch)
+            for kernel, constants in ((moe_triton._gate_up, gate_up),
+                                      (moe_triton._down, down))]
 
 
 def compile_route(arch: int, pairs: int = 320, experts: int = 512):
     """`_route_pairs` as the launcher passes it for `pairs` pairs of `experts` experts
     (32 tokens at top-10 of 512 by default), compiled for compute capability `arch`."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
 
-    fn = moe_triton._route_pairs.fn
     constants = dict(PAIRS=triton.next_power_of_2(pairs), EXPERTS=experts,
                      CHUNK=moe_triton.ROUTE_CHUNK)
-    signature = {name: ("constexpr" if name in constants else
-                        "*i64" if name in ("experts_ptr", "order_ptr", "listed_ptr") else
-                        "*i32" if name.endswith("_ptr") else "i32")
-                 for name in inspect.signature(fn).parameters}
-    return triton.compile(ASTSource(fn=JITFunction(fn), signature=signature,
-                                    constexprs=constants),
-                          target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+
+    def types(name: str) -> str:
+        return ("*i64" if name in ("experts_ptr", "order_ptr", "listed_ptr") else
+                "*i32" if name.endswith("_ptr") else "i32")
+
+    return compile_kernel(moe_triton._route_pairs, arch, constants, types,
+                          dict(num_warps=4))
 
 
 COMPILED = [("bfloat16", 1), ("bfloat16", 32), ("float32", 32)]

@@ -12,11 +12,10 @@ GPU; and what it does not take is a clear ValueError."""
 
 from __future__ import annotations
 
-import inspect
 
 import pytest
 import torch
-from conftest import SM86_SHARED, offline_compiled
+from conftest import SM86_SHARED, TRITON_TYPES, compile_kernel, offline_compiled
 from test_moe_triton import routing, window
 
 pytest.importorskip("triton")
@@ -179,29 +178,19 @@ def compile_offline(arch: int, qtypes: tuple[str, str, str], tokens: int, dtype,
     """`_gate_up_q` and `_down_q` for a window of `tokens` tokens of `dtype` (Qwen3-30B-
     A3B's expert shape by default) as triton compiles them for an NVIDIA GPU of compute
     capability `arch` (no GPU needed), with the constants the launcher passes."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     gate_up, down, launch = moe_triton.quantized_constants(tokens, dtype, qtypes, hidden,
                                                               inter)
-    compiled = []
-    for kernel, constants in ((moe_triton._gate_up_q, gate_up), (moe_triton._down_q, down)):
-        fn = kernel.fn  # the Python function under jit or interpreter
-        signature = {}
-        for name in inspect.signature(fn).parameters:
-            signature[name] = ("constexpr" if name in constants else
-                               "*u8" if name in ("gate_ptr", "up_ptr", "down_ptr") else
-                               "*i32" if name in ("counts_ptr", "starts_ptr") else
-                               "*i64" if name in ("listed_ptr", "order_ptr") else
-                               "*fp32" if name == "out_ptr" else
-                               "*" + names[dtype] if name.endswith("_ptr") else "i32")
-        compiled.append(triton.compile(
-            ASTSource(fn=JITFunction(fn), signature=signature, constexprs=constants),
-            target=GPUTarget("cuda", arch, 32), options=launch))
-    return compiled
+
+    def types(name: str) -> str:
+        return ("*u8" if name in ("gate_ptr", "up_ptr", "down_ptr") else
+                "*i32" if name in ("counts_ptr", "starts_ptr") else
+                "*i64" if name in ("listed_ptr", "order_ptr") else
+                "*fp32" if name == "out_ptr" else
+                "*" + TRITON_TYPES[dtype] if name.endswith("_ptr") else "i32")
+
+    return [compile_kernel(kernel, arch, constants, types, launch)
+            for kernel, constants in ((moe_triton._gate_up_q, gate_up),
+                                      (moe_triton._down_q, down))]
 
 
 COMPILED = [(("Q4_1", "Q4_1", "Q4_0"), 1, "bfloat16"),

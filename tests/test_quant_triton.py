@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SM86_SHARED, offline_compiled
+from conftest import SM86_SHARED, TRITON_TYPES, compile_kernel, offline_compiled
 
 pytest.importorskip("triton")
 gguf = pytest.importorskip("gguf")
@@ -136,14 +136,6 @@ def compile_offline(arch: int, qtype: str, count: int | None, dtype=torch.bfloat
     """`_gemv` for a window of `count` tokens of `dtype` (or `_dequantize` to `dtype`,
     count None) as triton compiles it for an NVIDIA GPU of compute capability `arch`
     (no GPU needed), with the constants the launchers pass."""
-    import inspect
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     if count is None:
         kernel = triton_quant._dequantize
         constants, num_warps = dict(FORMAT=qtype, C=triton_quant.GROUPS[qtype][1],
@@ -151,16 +143,13 @@ def compile_offline(arch: int, qtype: str, count: int | None, dtype=torch.bfloat
     else:
         kernel = triton_quant._gemv
         constants, num_warps = triton_quant.gemv_constants(count, dtype, qtype)
-    fn = kernel.fn  # the Python function under jit or interpreter
-    signature = {}
-    for name in inspect.signature(fn).parameters:
-        signature[name] = ("constexpr" if name in constants else
-                           "*u8" if name == "blocks_ptr" else
-                           "*" + names[dtype] if name in ("x_ptr", "out_ptr") else "i32")
-    return triton.compile(ASTSource(fn=JITFunction(fn), signature=signature,
-                                    constexprs=constants),
-                          target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps, num_stages=2))
+
+    def types(name: str) -> str:
+        return ("*u8" if name == "blocks_ptr" else
+                "*" + TRITON_TYPES[dtype] if name in ("x_ptr", "out_ptr") else "i32")
+
+    return compile_kernel(kernel, arch, constants, types,
+                          dict(num_warps=num_warps, num_stages=2))
 
 
 COMPILED = [(qtype, count) for qtype in ("Q4_1", "Q4_K", "Q6_K") for count in (1, 4, 32, None)]

@@ -32,10 +32,14 @@ def build_qwen3_next(folder, **overrides):
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
         "decoder_sparse_step": 1, "mlp_only_layers": [2], "norm_topk_prob": True,
         **overrides})
-    model = transformers.Qwen3NextForCausalLM(config).eval()
-    randomise(model)
-    model.save_pretrained(folder)
-    return model
+    return saved(transformers.Qwen3NextForCausalLM(config), folder)
+
+
+QWEN3_5_TINY = dict(
+    vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+    max_position_embeddings=512)
 
 
 def build_qwen3_5_moe(folder):
@@ -44,16 +48,9 @@ def build_qwen3_5_moe(folder):
     from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     torch.manual_seed(99)
-    config = Qwen3_5MoeTextConfig(
-        vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48, max_position_embeddings=512)
-    model = Qwen3_5MoeForCausalLM(config).eval()
-    randomise(model)
-    model.save_pretrained(folder)
-    return model
+    config = Qwen3_5MoeTextConfig(**QWEN3_5_TINY, num_experts=8, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    return saved(Qwen3_5MoeForCausalLM(config), folder)
 
 
 def build_qwen3_5(folder):
@@ -61,12 +58,13 @@ def build_qwen3_5(folder):
     from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(98)
-    config = Qwen3_5TextConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
-        linear_conv_kernel_dim=4, max_position_embeddings=512)
-    model = Qwen3_5ForCausalLM(config).eval()
+    return saved(Qwen3_5ForCausalLM(Qwen3_5TextConfig(**QWEN3_5_TINY, intermediate_size=96)),
+                 folder)
+
+
+def saved(model, folder):
+    """`model` in eval mode, randomised and saved to `folder`."""
+    model.eval()
     randomise(model)
     model.save_pretrained(folder)
     return model

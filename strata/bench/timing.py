@@ -1,6 +1,7 @@
-"""Median time of a call for the kernel benchmarks (benchmarks/moe_cost.py,
-quant_speed.py): on CUDA replayed from a CUDA graph where the call can be captured, so
-that launches are not counted, else run eagerly with a sync around each call."""
+"""Helpers of the kernel benchmarks (benchmarks/moe_cost.py, quant_speed.py,
+deltanet_cost.py): the median time of a call — on CUDA replayed from a CUDA graph where the
+call can be captured (launches not counted) unless asked to run eagerly, else eagerly with
+a sync around each call — and random weights for a layer built on its own."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from collections.abc import Callable
 import torch
 
 
-def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int,
+                   eager: bool = False) -> float:
+    """`eager`: time each call as launched (for layers that are not captured in graphs)."""
     fn()  # compiles and warms up
-    if device.type == "cuda":
+    if device.type == "cuda" and not eager:
         torch.cuda.synchronize(device)
         try:
             graph = torch.cuda.CUDAGraph()
@@ -32,3 +35,15 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int)
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def random_weights(module: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                   seed: int = 0) -> torch.nn.Module:
+    """`module` with every parameter N(0, 0.02) in `dtype` on `device` (speed does not
+    depend on the values)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.data = torch.empty(p.shape, dtype=dtype, device=device).normal_(
+                0.0, 0.02, generator=gen)
+    return module

@@ -151,8 +151,9 @@ class GatedDeltaNet(nn.Module):
         k = _l2norm(k.view(n, self.num_key_heads, self.key_dim)).repeat_interleave(group, 1)
         q = q / self.key_dim ** 0.5
         v = v.reshape(n, self.num_value_heads, self.value_dim)
-        for i in range(keep, n):  # the convolution's window after each kept token
-            conv_states[rows[1 + i - keep]] = inputs[i + 1:i + kernel]
+        # The convolution's window after each kept token i: inputs[i + 1:i + kernel].
+        after = inputs.unfold(0, kernel - 1, 1)[keep + 1:].transpose(1, 2)  # [kept, K-1, C]
+        conv_states[rows[1:1 + n - keep]] = after
         if self._triton(mixed):
             from strata.layers.deltanet_triton import gated_delta_rule
             return gated_delta_rule(q, k, v, g, beta, states, rows, keep, fresh)

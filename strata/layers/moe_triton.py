@@ -60,7 +60,8 @@ import triton
 import triton.language as tl
 
 from strata.quant.formats import FORMATS
-from strata.quant.triton_quant import GROUPS, _accumulate, _decode_group, gemv_constants
+from strata.quant.triton_quant import (GROUPS, _accumulate, _decode_group, check_blocks,
+                                       gemv_constants)
 
 MAX_TOKENS = 32   # the largest window
 MAX_TOP_K = 10
@@ -441,21 +442,10 @@ def _quantized(name: str, weight, x: torch.Tensor) -> tuple[torch.Tensor, str, i
             and isinstance(weight[0], torch.Tensor) and isinstance(weight[1], str)):
         raise ValueError(f"{name} must be a pair (blocks, qtype), not {type(weight).__name__}")
     blocks, qtype = weight
-    if qtype not in FORMATS or qtype not in GROUPS:
-        raise ValueError(f"{name}: unsupported quantization type {qtype!r}; supported: "
-                         f"{', '.join(GROUPS)}")
-    fmt = FORMATS[qtype]
-    if blocks.dtype != torch.uint8 or blocks.dim() != 3:
-        raise ValueError(f"{name} blocks must be a 3-D uint8 tensor [experts, rows, row "
-                         f"bytes], not {blocks.dtype} of shape {tuple(blocks.shape)}")
-    if blocks.shape[2] == 0 or blocks.shape[2] % fmt.block_bytes:
-        raise ValueError(f"{name} ({qtype}): a row of {blocks.shape[2]} bytes is not a whole "
-                         f"number of {fmt.block_bytes}-byte blocks")
-    if blocks.stride(2) != 1:
-        raise ValueError(f"{name} blocks must be contiguous along a row")
+    values = check_blocks(blocks, qtype, name, stacked=True)[1]
     if blocks.device != x.device:
         raise ValueError(f"x is on {x.device} but {name} on {blocks.device}")
-    return blocks, qtype, blocks.shape[2] // fmt.block_bytes * fmt.block_values
+    return blocks, qtype, values
 
 
 def _check_inner(name: str, qtype: str, values: int, size: int, what: str) -> None:

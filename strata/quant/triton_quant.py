@@ -246,21 +246,28 @@ def _dequantize(blocks_ptr, out_ptr,                # [N, row bytes] uint8, [N, 
              mask=row_ok[:, None])
 
 
-def _check_blocks(blocks: torch.Tensor, qtype: str) -> tuple[int, int]:
-    """(rows, values per row) of a quantized weight, or a ValueError naming the problem."""
-    if qtype not in FORMATS:
-        raise ValueError(f"unsupported quantization type {qtype!r}; supported: "
-                         f"{', '.join(FORMATS)}")
+def check_blocks(blocks: torch.Tensor, qtype: str, name: str | None = None,
+                 stacked: bool = False) -> tuple[int, int]:
+    """(rows, values per row) of a quantized weight — uint8 [rows, row bytes], or
+    [experts, rows, row bytes] when `stacked` — or a ValueError naming the problem (and
+    the weight, `name`, where given)."""
+    label = name or qtype
+    if qtype not in FORMATS or qtype not in GROUPS:
+        raise ValueError(f"{name + ': ' if name else ''}unsupported quantization type "
+                         f"{qtype!r}; supported: {', '.join(GROUPS)}")
     fmt = FORMATS[qtype]
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2:
-        raise ValueError(f"{qtype} blocks must be a 2-D uint8 tensor [rows, row bytes], "
-                         f"not {blocks.dtype} of shape {tuple(blocks.shape)}")
-    if blocks.shape[1] == 0 or blocks.shape[1] % fmt.block_bytes:
-        raise ValueError(f"{qtype}: a row of {blocks.shape[1]} bytes is not a whole number "
-                         f"of {fmt.block_bytes}-byte blocks")
-    if blocks.stride(1) != 1:
-        raise ValueError(f"{qtype} blocks must be contiguous along a row")
-    return blocks.shape[0], blocks.shape[1] // fmt.block_bytes * fmt.block_values
+    layout = "3-D uint8 tensor [experts, rows, row bytes]" if stacked else \
+        "2-D uint8 tensor [rows, row bytes]"
+    if blocks.dtype != torch.uint8 or blocks.dim() != (3 if stacked else 2):
+        raise ValueError(f"{label} blocks must be a {layout}, not {blocks.dtype} of shape "
+                         f"{tuple(blocks.shape)}")
+    row_bytes = blocks.shape[-1]
+    if row_bytes == 0 or row_bytes % fmt.block_bytes:
+        raise ValueError(f"{f'{name} ({qtype})' if name else qtype}: a row of {row_bytes} "
+                         f"bytes is not a whole number of {fmt.block_bytes}-byte blocks")
+    if blocks.stride(-1) != 1:
+        raise ValueError(f"{label} blocks must be contiguous along a row")
+    return blocks.shape[-2], row_bytes // fmt.block_bytes * fmt.block_values
 
 
 def gemv_constants(tokens: int, dtype: torch.dtype, qtype: str,
@@ -288,7 +295,7 @@ def gemv_splits(rows: int, groups: int) -> int:
 def gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """y = x @ W^T for x [T, K] (1 <= T <= 32; float32, bfloat16 or float16) and W [N, K]
     quantized as `blocks` [N, row bytes] of `qtype` -> [T, N] in x's dtype (fp32 sums)."""
-    rows, values = _check_blocks(blocks, qtype)
+    rows, values = check_blocks(blocks, qtype)
     if x.dim() != 2 or x.dtype not in DTYPES:
         raise ValueError(f"x must be a 2-D float32, bfloat16 or float16 tensor [tokens, "
                          f"{values}], not {x.dtype} of shape {tuple(x.shape)}")
@@ -320,7 +327,7 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
 def dequantize(blocks: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
     """W [N, K] in `dtype` (float32, bfloat16 or float16) from `blocks` [N, row bytes] of
     `qtype`, computed in fp32."""
-    rows, values = _check_blocks(blocks, qtype)
+    rows, values = check_blocks(blocks, qtype)
     if dtype not in DTYPES:
         raise ValueError(f"dequantize writes float32, bfloat16 or float16, not {dtype}")
     out = torch.empty(rows, values, dtype=dtype, device=blocks.device)
