@@ -1,6 +1,7 @@
 """Fidelity on a CUDA device (CI has no GPU, so this is run by hand on the GPU machine).
 
-Builds tiny random llama, qwen3 and qwen3_moe checkpoints with transformers, then:
+Builds tiny random llama, qwen3, qwen3_moe and qwen3_next (hybrid: Gated DeltaNet
+layers, whose state rolls back under drafts) checkpoints with transformers, then:
 - fp32 on CUDA: Strata's logits against transformers on the CPU (relative max error);
 - bf16 on CUDA: how often Strata's greedy tokens agree with fp32 transformers (bf16
   rounds differently, so this is measured and reported, not asserted);
@@ -30,11 +31,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from conftest import build_tiny, prompts  # noqa: E402
+from test_qwen3_next import build_qwen3_next  # noqa: E402
 
 from strata.bench.report import commit, machine, markdown_table  # noqa: E402
 from strata.config import EngineConfig  # noqa: E402
 from strata.engine.engine import Engine  # noqa: E402
 from strata.sampling.params import SamplingParams  # noqa: E402
+
+KINDS = ("llama", "qwen3", "qwen3_moe", "qwen3_next")
 
 
 def main() -> int:
@@ -46,9 +50,10 @@ def main() -> int:
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in ("llama", "qwen3", "qwen3_moe"):
+        for kind in KINDS:
             folder = Path(tmp) / kind
-            model = build_tiny(kind, folder)
+            model = (build_qwen3_next(folder) if kind == "qwen3_next"
+                     else build_tiny(kind, folder))
             batch = prompts(8, model.config.vocab_size, seed=11, low=2, high=70)
             fp32 = Engine(EngineConfig(model=str(folder), devices=devices, dtype="fp32",
                                        max_context=128, layer_split=(2,)))
@@ -67,8 +72,7 @@ def main() -> int:
             same = sum(a == b for s, t in zip(solo, batched) for a, b in zip(s, t))
             total = sum(len(s) for s in solo)
             rows.append([kind, f"{max(errors):.1e}", f"{agree}/{total}", f"{same}/{total}"])
-        fast = [fast_path(str(Path(tmp) / kind), devices)
-                for kind in ("llama", "qwen3", "qwen3_moe")]
+        fast = [fast_path(str(Path(tmp) / kind), devices) for kind in KINDS]
     if args.gguf:
         fast.append(fast_path(args.gguf, devices))
     device = torch.device(devices[0])

@@ -73,7 +73,8 @@ def padded_everywhere(engine: Engine, sizes: list[int],
         graphs = StageGraphs(stage, sizes,
                              WindowShape(engine.config.parallel + 1,
                                          stage.cache_size.blocks_per_slot,
-                                         stage.cache_size.padding_block, max_logits),
+                                         stage.cache_size.padding_block, max_logits,
+                                         state=stage.keeps_state),
                              stage.arch.config.hidden_size, graphs=False)
         graphs.capture()
         stage.graphs = graphs

@@ -34,18 +34,17 @@ class RunningMean(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: SlotStateCache):
         (sums,) = cache.tensors                                     # [rows, hidden]
-        out, offset = torch.empty_like(x), 0
-        for entry, count in enumerate(meta.query_lens):
-            run = slice(offset, offset + count)
-            rows = meta.state_rows[entry]
-            positions = meta.positions[run]
-            before = torch.zeros_like(sums[rows[0]]) if positions[0] == 0 else sums[rows[0]]
+        out, state = torch.empty_like(x), meta.state
+        for first, count, source, fresh in zip(
+                *(t.tolist() for t in (state.entry_start, state.entry_len, state.entry_source,
+                                       state.entry_fresh))):
+            run = slice(first, first + count)
+            before = torch.zeros_like(sums[0]) if fresh else sums[source]
             running = before + x[run].float().cumsum(0)              # [count, hidden]
-            out[run] = (running / (positions[:, None] + 1)).to(x.dtype)
-            keep = count - 1 - meta.num_drafts[entry]  # the states the verifier may keep
-            for i in range(keep, count):
-                sums[rows[1 + i - keep]] = running[i]
-            offset += count
+            out[run] = (running / (meta.positions[run, None] + 1)).to(x.dtype)
+            for i, row in enumerate(state.token_row[run].tolist()):  # the states the
+                if row >= 0:                                         # verifier may keep
+                    sums[row] = running[i]
         return out
 
 

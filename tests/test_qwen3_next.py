@@ -16,6 +16,7 @@ from test_logits import GREEDY, assert_logits_close, reference_greedy
 from strata.config import EngineConfig
 from strata.drafting.draft import Draft
 from strata.engine.engine import Engine
+from strata.layers.deltanet import CHUNK
 from strata.sampling.params import SamplingParams
 
 
@@ -110,7 +111,9 @@ def test_logits_and_greedy_match_transformers(request, kind):
     engine = Engine(EngineConfig(model=str(folder), max_context=256, spec=0))
     chunked = Engine(EngineConfig(model=str(folder), max_context=256, spec=0,
                                   max_window_tokens=16))  # prompts over several windows
-    for ids in prompts(3, model.config.vocab_size, seed=7, low=5, high=60):
+    batch = prompts(3, model.config.vocab_size, seed=7, low=5, high=150)
+    assert max(map(len, batch)) > CHUNK  # a prompt chunk through chunked_delta_rule
+    for ids in batch:
         with torch.no_grad():
             ref = model(torch.tensor([ids])).logits[0]
         assert_logits_close(engine.score(ids), ref)
@@ -177,6 +180,35 @@ def test_greedy_output_is_the_same_with_drafts(qwen3_next, case):
         assert stats.accepted > 0 and stats.drafted > stats.accepted, stats
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_windows_padded_to_graph_buckets_keep_greedy_output(qwen3_next, path):
+    """Stages with DeltaNet layers pad their windows to CUDA-graph buckets (eagerly here,
+    as test_buckets.py does): the padding tokens and entries read and write no state row,
+    and each window's StateMeta reaches the layers through the buckets' static buffers
+    (`triton`: the attention's and the DeltaNet's kernels in triton's interpreter)."""
+    from strata.layers.deltanet import GatedDeltaNet
+    from test_buckets import padded_everywhere
+
+    folder, model = qwen3_next
+    batch = prompts(4, model.config.vocab_size, seed=5, low=4, high=30)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    settings = dict(model=str(folder), max_context=256, parallel=4, max_window_tokens=24)
+    want = Engine(EngineConfig(**settings, spec=0)).generate(batch, params)
+    engine = Engine(EngineConfig(**settings, spec=4, spec_token_cost=0.0,
+                                 schedule_ahead="on", spec_window_cost=0.0,
+                                 attention_backend="triton" if path == "triton" else "auto"))
+    for stage in engine.runner.stages:
+        for layer in stage.module.modules():
+            if isinstance(layer, GatedDeltaNet):
+                layer.path = path
+    engine.scheduler.drafts.proposers = [Oracle(batch, want)]
+    counts = padded_everywhere(engine, [3, 7, 13, 23])
+    assert engine.generate(batch, params) == want
+    stats = engine.draft_stats
+    assert stats.accepted > 0 and stats.drafted > stats.accepted, stats
+    assert counts["padded"] > 5 and counts["eager"] > 0, counts
 
 
 def test_random_weights_of_its_config_run(qwen3_next):

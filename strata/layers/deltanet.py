@@ -16,16 +16,17 @@ o = S^T q is normalised per head (`norm`, RMSNorm times SiLU(z)) and projected
 
 State (the cache's two tensors per row): the convolution's last `conv_kernel - 1` inputs
 [conv_kernel - 1, conv_dim] and the delta rule's S [value heads, key dim, value dim], in
-float32. Rows (ForwardMeta.state_rows, one list per entry, chosen by the scheduler):
-column 0 holds the state before the entry's run (ignored where the run starts at position
-0, ForwardMeta.starts: a fresh sequence); the state after each token that may end up the last one committed
-— the run's last known token and each of its drafts (ForwardMeta.num_drafts) — is written
-to columns 1, 2, ...: after the verifier accepts j drafts, column 1 + j holds the state
-the slot goes on from. Nothing is copied back and nothing recomputed.
+float32. Where they are read and written is the window's StateMeta (state_meta.py): each
+entry starts from its source row (or from zeros where its run starts at position 0), and
+the state after each token that may end up the last one committed — the run's last known
+token and each of its drafts — is written to that token's row; the scheduler chooses the
+row of the verifier's last accepted token. Nothing is copied back and nothing recomputed.
 
 The token loop here is the reference (CPU, fp32, tests): one step per token, as
-transformers' `torch_recurrent_gated_delta_rule`. On CUDA the same loop runs as one Triton
-kernel per run (deltanet_triton.py); the rest of the layer is PyTorch.
+transformers' `torch_recurrent_gated_delta_rule`. On CUDA the convolution and the delta
+rule run as two Triton kernels over the whole window (deltanet_triton.py), reading the
+StateMeta on the device: no host sync, so a stage of these layers is captured in CUDA
+graphs; the projections and the gated norm are PyTorch.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from strata.kvcache.cache import SlotStateCache
 from strata.kvcache.spec import SlotStateSpec
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.linear import LinearFactory
+from strata.layers.state_meta import StateMeta
 from strata.quant import triton_available
 
 
@@ -84,8 +86,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(num_value_heads))
         self.norm = GatedRMSNorm(value_dim, eps)
         self.out_proj = linear(values, hidden)
-        self.path = "auto"  # the delta rule: "auto", "triton" or "reference" (_triton)
-
+        self.path = "auto"  # "auto", "triton" or "reference" (_triton)
 
     def _split(self, qkvz: torch.Tensor, ba: torch.Tensor):
         """The projections as the checkpoint groups them (per key head: q, k, then that
@@ -113,29 +114,39 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: SlotStateCache) -> torch.Tensor:
         mixed, z, b, a = self._project(x)
-        beta = torch.sigmoid(b.float())                                         # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         conv_states, states = cache.tensors
-        out = torch.empty(x.shape[0], self.num_value_heads, self.value_dim,
-                          dtype=torch.float32, device=x.device)
-        offset = 0
-        for entry, count in enumerate(meta.query_lens):
-            run = slice(offset, offset + count)
-            rows = meta.state_rows[entry]
-            fresh = meta.starts[entry] == 0  # NOTE: from the host: no sync per entry
-            keep = count - 1 - meta.num_drafts[entry]  # first token whose state is kept
-            out[run] = self._run(mixed[run], beta[run], g[run], rows, fresh, keep,
-                                 conv_states, states)
-            offset += count
+        if self._triton(x):
+            from strata.layers import deltanet_triton as kernels
+            conv = kernels.causal_conv(mixed, self.conv1d.weight, conv_states, meta.state)
+            out = kernels.gated_delta_rule(conv, a, b, self.A_log, self.dt_bias, states,
+                                           meta.state, self.num_key_heads, self.key_dim)
+        else:
+            out = self._reference(mixed, a, b, meta.state, conv_states, states)
         o = self.norm(out.to(x.dtype), z)
         return self.out_proj(o.reshape(x.shape[0], -1))
 
-    def _run(self, mixed, beta, g, rows, fresh: bool, keep: int, conv_states, states):
+    def _reference(self, mixed, a, b, meta: StateMeta, conv_states, states) -> torch.Tensor:
+        """The outputs [T, Hv, Dv] (float32), entry by entry (the rows as host lists)."""
+        beta = torch.sigmoid(b.float())                                         # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        out = torch.zeros(mixed.shape[0], self.num_value_heads, self.value_dim,
+                          dtype=torch.float32, device=mixed.device)
+        rows = meta.token_row.tolist()
+        for first, count, source, fresh in zip(
+                *(t.tolist() for t in (meta.entry_start, meta.entry_len, meta.entry_source,
+                                       meta.entry_fresh))):
+            run = slice(first, first + count)
+            if count:
+                out[run] = self._run(mixed[run], beta[run], g[run], source, bool(fresh),
+                                     rows[run], conv_states, states)
+        return out
+
+    def _run(self, mixed, beta, g, source: int, fresh: bool, rows: list[int], conv_states,
+             states):
         """One entry's run: its outputs [n, Hv, Dv] (float32); writes the state after
-        token i >= keep into rows[1 + i - keep]."""
+        token i into rows[i] where that is not -1."""
         n = mixed.shape[0]
         kernel = self.conv_kernel
-        source = rows[0]
         if fresh:
             window = mixed.new_zeros(kernel - 1, self.conv_dim, dtype=torch.float32)
             state = mixed.new_zeros(states.shape[1:], dtype=torch.float32)
@@ -151,12 +162,15 @@ class GatedDeltaNet(nn.Module):
         k = _l2norm(k.view(n, self.num_key_heads, self.key_dim)).repeat_interleave(group, 1)
         q = q / self.key_dim ** 0.5
         v = v.reshape(n, self.num_value_heads, self.value_dim)
-        # The convolution's window after each kept token i: inputs[i + 1:i + kernel].
-        after = inputs.unfold(0, kernel - 1, 1)[keep + 1:].transpose(1, 2)  # [kept, K-1, C]
-        conv_states[rows[1:1 + n - keep]] = after
-        if self._triton(mixed):
-            from strata.layers.deltanet_triton import gated_delta_rule
-            return gated_delta_rule(q, k, v, g, beta, states, rows, keep, fresh)
+        # The convolution's window after token i: inputs[i + 1:i + kernel].
+        kept = [i for i in range(n) if rows[i] >= 0]
+        after = inputs.unfold(0, kernel - 1, 1)[1:].transpose(1, 2)    # [n, K-1, C]
+        conv_states[[rows[i] for i in kept]] = after[kept]
+        if n > CHUNK and max(rows[:-1], default=-1) < 0:  # a prompt chunk: one state kept
+            out, state = chunked_delta_rule(q, k, v, g, beta, state)
+            if rows[-1] >= 0:
+                states[rows[-1]] = state
+            return out
         out = torch.empty(n, self.num_value_heads, self.value_dim, dtype=torch.float32,
                           device=mixed.device)
         for i in range(n):
@@ -165,16 +179,59 @@ class GatedDeltaNet(nn.Module):
             delta = (v[i] - remembered) * beta[i][:, None]
             state = state + k[i][:, :, None] * delta[:, None, :]
             out[i] = (state * q[i][:, :, None]).sum(dim=1)
-            if i >= keep:
-                states[rows[1 + i - keep]] = state
+            if rows[i] >= 0:
+                states[rows[i]] = state
         return out
 
     def _triton(self, x: torch.Tensor) -> bool:
-        """The delta rule as deltanet_triton's kernel: `path` "triton", or "auto" on CUDA
-        where triton is installed; else the token loop here ("reference")."""
+        """The convolution and the delta rule as deltanet_triton's kernels: `path`
+        "triton", or "auto" on CUDA where triton is installed; else the token loop here
+        ("reference")."""
         if self.path == "auto":
             return x.is_cuda and triton_available()
         return self.path == "triton"
+
+
+CHUNK = 64  # tokens per chunk of chunked_delta_rule (runs of more: prompt chunks)
+
+
+def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK):
+    """The gated delta rule over a run of n tokens in chunks of `chunk` (the chunked form
+    of transformers' torch fallback): within a chunk, the tokens' writes are one
+    triangular solve and their reads matrix products; between chunks the state carries.
+    q, k [n, H, Dk] (L2-normalised, q scaled), v [n, H, Dv], g and beta [n, H], state [H,
+    Dk, Dv], all float32. Returns (outputs [n, H, Dv], the state after the last token);
+    equal to the token loop up to float rounding."""
+    n, heads = q.shape[:2]
+    pad = -n % chunk
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [n, H, ...] -> [H, chunks, chunk, ...]
+        x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))  # zeros: no decay, no write
+        return x.view(-1, chunk, *x.shape[1:]).movedim(2, 0)
+
+    q, k, v, g, beta = (chunks(t) for t in (q, k, v, g, beta))
+    decayed = g.cumsum(-1)                                     # [H, N, C]: log decay to i
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (decayed[..., :, None] - decayed[..., None, :]).masked_fill(upper, -torch.inf).exp()
+    written = k * beta[..., None]
+    # Token i's write depends on the earlier ones' in its chunk: (I - A)^-1 by rows.
+    solve = (-(written @ k.transpose(-1, -2)) * decay).masked_fill(~upper.T, 0)  # j < i
+    for i in range(1, chunk):
+        solve[..., i, :i] = solve[..., i, :i] + (solve[..., i, :i, None]
+                                                 * solve[..., :i, :i]).sum(-2)
+    solve = solve + torch.eye(chunk, device=q.device)
+    values = solve @ (v * beta[..., None])                     # [H, N, C, Dv]
+    keys = solve @ (written * decayed.exp()[..., None])        # [H, N, C, Dk]
+    out = torch.empty_like(values)
+    for c in range(q.shape[1]):
+        fresh = values[:, c] - keys[:, c] @ state              # [H, C, Dv]
+        within = (q[:, c] @ k[:, c].transpose(-1, -2)) * decay[:, c]
+        out[:, c] = (q[:, c] * decayed[:, c].exp()[..., None]) @ state + within @ fresh
+        last = decayed[:, c, -1]
+        carried = k[:, c] * (last[:, None] - decayed[:, c]).exp()[..., None]
+        state = state * last.exp()[:, None, None] + carried.transpose(-1, -2) @ fresh
+    return out.flatten(1, 2).transpose(0, 1)[:n], state
 
 
 def state_spec(num_key_heads: int, num_value_heads: int, key_dim: int, value_dim: int,

@@ -5,7 +5,8 @@ A bucket fixes the number of tokens T; the number of entries (every slot plus on
 entry) and the block-table width (a slot's most blocks) are fixed per stage. Padding is
 harmless because every token carries its own position and cache row: the padding tokens
 form one extra entry at position 0 that writes only the padding block (a cache block no
-slot is ever given, `CacheSize.padding_block`), and their logits rows are never read.
+slot is ever given, `CacheSize.padding_block`) and no state row (a fresh entry of the
+StateMeta), and their logits rows are never read.
 Plain Python over host tensors: the CPU tests check it with the reference backend.
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.attention.backend import AttentionBatch
+from strata.layers.state_meta import StateMeta
 from strata.scheduler.window import WindowHeader
 
 
@@ -46,6 +48,7 @@ class WindowShape:
     table_width: int
     padding_block: int
     max_logits: int = 256
+    state: bool = False  # the stage has layers with per-slot state (StateMeta padded too)
 
     def logit_rows(self, tokens: int) -> int:
         """Logits rows of a bucket of `tokens` tokens."""
@@ -59,6 +62,7 @@ class PaddedWindow:
     logits_idx: torch.Tensor  # [shape.logit_rows(T)]: the window's logits rows, then row 0
     num_tokens: int           # real tokens (the first rows of the outputs)
     num_logits: int           # real logits rows
+    state: StateMeta | None = None  # T tokens, `num_entries` entries (shape.state)
 
 
 def pad_window(header: WindowHeader, tokens: int, shape: WindowShape) -> PaddedWindow:
@@ -84,8 +88,12 @@ def pad_window(header: WindowHeader, tokens: int, shape: WindowShape) -> PaddedW
         slot_mapping=_extend(header.slot_mapping, pad, padding_row),
         block_tables=tables,
         block_size=size)
+    state = (StateMeta.build(header.query_lens, header.starts, header.num_drafts,
+                             header.state_rows, tokens, shape.num_entries)
+             if shape.state else None)
     return PaddedWindow(batch, _extend(header.token_ids, pad, 0),
-                        _extend(logits_idx, rows - len(logits_idx), 0), real, len(logits_idx))
+                        _extend(logits_idx, rows - len(logits_idx), 0), real, len(logits_idx),
+                        state)
 
 
 def _extend(values: torch.Tensor, count: int, fill: int) -> torch.Tensor:

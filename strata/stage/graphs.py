@@ -103,7 +103,7 @@ class StageGraphs:
 
     def _meta(self, padded) -> ForwardMeta:
         return ForwardMeta.build(padded.batch, self.stage.backend, self.stage.device,
-                                 padded.logits_idx)
+                                 padded.logits_idx, padded.state)
 
     def prepare(self, header: WindowHeader) -> GraphCall | None:
         """Fill the window's bucket with its metadata; None when no bucket holds it."""
@@ -119,6 +119,8 @@ class StageGraphs:
             static.positions.copy_(padded.batch.positions, non_blocking=True)
             static.logits_idx.copy_(padded.logits_idx, non_blocking=True)
             copy_meta(static.attention, self.stage.backend.prepare_host(padded.batch))
+            if padded.state is not None:
+                copy_meta(static.state, padded.state)
         else:
             meta = self._meta(padded)
         return GraphCall(tokens, padded.num_tokens, padded.num_logits, padded.token_ids, meta)

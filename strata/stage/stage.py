@@ -20,10 +20,12 @@ from strata.errors import StrataError
 from strata.kvcache.cache import Cache, PagedKVCache, SlotStateCache, allocate
 from strata.kvcache.spec import CacheSize
 from strata.layers.forward_meta import ForwardMeta
+from strata.layers.state_meta import StateMeta
 from strata.layers.fused import enable_compile
 from strata.layers.linear import LinearFactory, WeightFormat
 from strata.layers.rotary import RotaryEmbedding
 from strata.models.registry import Architecture, get_architecture
+from strata.quant import triton_available
 from strata.scheduler.window import WindowHeader
 from strata.stage.buckets import WindowShape, bucket_sizes
 from strata.stage.graphs import GraphCall, StageGraphs
@@ -88,6 +90,7 @@ class Stage:
             return allocate(arch.cache_spec(layer), cache_size, kv_dtype, device)
 
         self.caches = [cache(i) for i in range(*layers)]  # one per layer, in layer order
+        self.keeps_state = any(isinstance(c, SlotStateCache) for c in self.caches)
         self.mtp_cache: PagedKVCache | None = (cache(arch.config.num_layers)
                                                if hasattr(self.module, "mtp") else None)
 
@@ -116,7 +119,8 @@ class Stage:
         drafts = max(config.spec, config.spec_suffix_max) if config.spec else 0
         shape = WindowShape(config.parallel + 1, size.blocks_per_slot or size.num_blocks,
                             size.padding_block,
-                            max_logits=max(256, config.parallel * (1 + drafts)))
+                            max_logits=max(256, config.parallel * (1 + drafts)),
+                            state=self.keeps_state)
         limit = graph_token_limit(self)
         largest = min(config.cuda_graph_max_tokens, limit or config.cuda_graph_max_tokens)
         graphs = StageGraphs(self, bucket_sizes(largest), shape, self.arch.config.hidden_size)
@@ -133,8 +137,9 @@ class Stage:
                 return call
         batch = AttentionBatch(header.query_lens, header.positions, header.slot_mapping,
                                header.block_tables, header.block_size)
-        return ForwardMeta.build(batch, self.backend, self.device, header.logits_idx(),
-                                 header.state_rows, header.num_drafts, header.starts)
+        state = (StateMeta.build(header.query_lens, header.starts, header.num_drafts,
+                                 header.state_rows) if self.keeps_state else None)
+        return ForwardMeta.build(batch, self.backend, self.device, header.logits_idx(), state)
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, meta: ForwardMeta | GraphCall):
@@ -150,8 +155,8 @@ def graphs_unavailable(stage: Stage) -> str | None:
     if not getattr(stage.backend, "capturable", False):
         return (f"the {stage.backend.name} attention backend's metadata changes shape with "
                 "every window; use --attention-backend triton")
-    if any(isinstance(c, SlotStateCache) for c in stage.caches):
-        return "layers with per-slot state are not captured yet"
+    if stage.keeps_state and not triton_available():
+        return "layers with per-slot state are captured only with their triton kernels"
     if graph_token_limit(stage) == 0:
         return ("this model's MoE layers read expert counts on the host here (the fused MoE "
                 "path needs triton on a CUDA device)")
