@@ -116,7 +116,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = engine_config(args)
     params = sampling_params(args)
     # NOTE: a prompt that cannot fit fails before the weights load
-    checkpoint = open_checkpoint(config.model)
+    checkpoint = open_checkpoint(config.model, config.mtp_model)
     tokenizer = checkpoint.load_tokenizer()
     prompt_ids = encode_prompt(tokenizer, args.prompt, raw=args.raw)
     check_prompt(prompt_ids, context_size(config, checkpoint.config), checkpoint.config.vocab_size)

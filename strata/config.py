@@ -34,6 +34,9 @@ def auto_or_int(text: str) -> int | None:
 class EngineConfig:
     model: str | None = field(default=None, metadata=_opt(
         "GGUF file or Hugging Face checkpoint folder (default: the embedded SmolLM2-135M-Instruct)"))
+    mtp_model: str | None = field(default=None, metadata=_opt(
+        "a GGUF holding the model's MTP layer, for a GGUF --model without one (llama.cpp's "
+        "convert_hf_to_gguf.py --mtp writes it); MTP drafts then join suffix and lookup"))
     devices: tuple[str, ...] = field(default=("cpu",), metadata=_opt(
         "comma-separated devices, one per stage or one for all (cpu, cuda:0,cuda:1)", list_of=str))
     layer_split: tuple[int, ...] = field(default=(), metadata=_opt(

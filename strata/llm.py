@@ -70,7 +70,8 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], raw: bool = Fa
 class LLM:
     def __init__(self, config: EngineConfig, checkpoint=None, tokenizer: Tokenizer | None = None):
         start = time.perf_counter()
-        checkpoint = checkpoint if checkpoint is not None else open_checkpoint(config.model)
+        checkpoint = (checkpoint if checkpoint is not None
+                      else open_checkpoint(config.model, config.mtp_model))
         # NOTE: devices and the split first, then the tokenizer: both fail before any loading
         ranges = config.stage_ranges(checkpoint.config.num_layers)
         devices = [config.stage_device(i) for i in range(len(ranges))]

@@ -6,7 +6,9 @@ with pipelined groups — every slot's recurrent state follows exactly its accep
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -239,19 +241,25 @@ def tiled(tensor: torch.Tensor, key_heads: int, value_heads: int, dim: int,
     return tensor.reshape(parts).transpose(axis, axis + 1).reshape(shape)
 
 
-def write_qwen3next_gguf(model, path, arch: str = "qwen3next") -> None:
+def write_qwen3next_gguf(model, path, arch: str = "qwen3next", mtp: dict | None = None,
+                         body: bool = True) -> None:
     """`model` (transformers Qwen3-Next, or Qwen3.5 MoE for `qwen35moe`) written as
     llama.cpp's converter writes it (convert_hf_to_gguf.py, Qwen3NextModel and, for
     Qwen3.5, _LinearAttentionVReorderBase): norms plus 1 but the DeltaNet's, A_log as
     -exp(A_log), conv1d squeezed, dt_bias as ssm_dt.bias, in_proj_qkvz split into
     attn_qkv (q of every head, then k, then v) and attn_gate (z), experts stacked; for
-    qwen35moe every tensor indexed by value head with the heads tiled."""
+    qwen35moe every tensor indexed by value head with the heads tiled.
+    `mtp` (Qwen's `mtp.*` tensors): its layer as block N (`nextn_predict_layers` 1), as
+    llama.cpp's converter writes it when asked; without `body`, only that layer (an
+    MTP-only file)."""
     import gguf
     import numpy as np
 
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
+    w.add_block_count(c.num_hidden_layers + (1 if mtp else 0))
+    if mtp:
+        w.add_nextn_predict_layers(1)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(getattr(c, "intermediate_size", None) or c.moe_intermediate_size)
@@ -304,12 +312,7 @@ def write_qwen3next_gguf(model, path, arch: str = "qwen3next") -> None:
     def add(name, tensor):
         w.add_tensor(name, np.ascontiguousarray(tensor.detach().float().numpy()))
 
-    state = model.state_dict()
-    add("token_embd.weight", state["model.embed_tokens.weight"])
-    add("output.weight", state["lm_head.weight"])
-    add("output_norm.weight", state["model.norm.weight"] + 1)
-    for i in range(c.num_hidden_layers):
-        prefix = f"model.layers.{i}."
+    def layer(state: dict, prefix: str, i: int) -> None:
         if f"{prefix}mlp.experts.down_proj" in state:  # [E, 2I, H]: gate rows, then up
             gate_up = state[f"{prefix}mlp.experts.gate_up_proj"]
             if qwen35:  # fused, as qwen35moe files keep them
@@ -319,6 +322,11 @@ def write_qwen3next_gguf(model, path, arch: str = "qwen3next") -> None:
                 add(f"blk.{i}.ffn_gate_exps.weight", gate)
                 add(f"blk.{i}.ffn_up_exps.weight", up)
             add(f"blk.{i}.ffn_down_exps.weight", state[f"{prefix}mlp.experts.down_proj"])
+        elif f"{prefix}mlp.experts.0.gate_proj.weight" in state:  # one by one (files)
+            for proj, ours in (("gate", "gate_exps"), ("up", "up_exps"), ("down", "down_exps")):
+                add(f"blk.{i}.ffn_{ours}.weight", torch.stack([
+                    state[f"{prefix}mlp.experts.{e}.{proj}_proj.weight"]
+                    for e in range(c.num_experts)]))
         for key, tensor in state.items():
             if not key.startswith(prefix) or ".experts." in key:
                 continue
@@ -347,6 +355,21 @@ def write_qwen3next_gguf(model, path, arch: str = "qwen3next") -> None:
             elif local == "linear_attn.conv1d.weight":
                 tensor = tensor.squeeze(1)
             add(f"blk.{i}.{names[local]}", tensor)
+
+    if body:
+        state = model.state_dict()
+        add("token_embd.weight", state["model.embed_tokens.weight"])
+        add("output.weight", state["lm_head.weight"])
+        add("output_norm.weight", state["model.norm.weight"] + 1)
+        for i in range(c.num_hidden_layers):
+            layer(state, f"model.layers.{i}.", i)
+    if mtp:
+        n = c.num_hidden_layers
+        layer(mtp, "mtp.layers.0.", n)
+        add(f"blk.{n}.nextn.eh_proj.weight", mtp["mtp.fc.weight"])
+        for ours, theirs in (("enorm", "pre_fc_norm_embedding"), ("hnorm", "pre_fc_norm_hidden"),
+                             ("shared_head_norm", "norm")):
+            add(f"blk.{n}.nextn.{ours}.weight", mtp[f"mtp.{theirs}.weight"] + 1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -397,15 +420,33 @@ def test_suffix_and_lookup_drafts_keep_greedy_output(qwen3_next, case):
         engine.close()
 
 
+def add_mtp_layer(folder) -> dict:
+    """Give the checkpoint in `folder` an MTP layer (`mtp.*`, as Qwen's files carry it:
+    transformers does not model it): fc, the two pre-fc norms, one full-attention decoder
+    layer (a copy of layer 3's, perturbed), a final norm. Returns its tensors."""
+    from safetensors.torch import load_file, save_file
+
+    (weights,) = folder.glob("*.safetensors")
+    tensors = load_file(weights)
+    g = torch.Generator().manual_seed(17)
+    hidden = tensors["model.norm.weight"].shape[0]
+    mtp = {}
+    for name, t in tensors.items():
+        if name.startswith("model.layers.3."):
+            mtp["mtp.layers.0." + name.removeprefix("model.layers.3.")] = (
+                t + 0.05 * torch.randn(t.shape, generator=g)).contiguous()
+    mtp["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.1
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{norm}.weight"] = torch.randn(hidden, generator=g) * 0.2
+    save_file({**tensors, **mtp}, weights, metadata={"format": "pt"})
+    return mtp
+
+
 @pytest.fixture(scope="module")
 def qwen3_next_mtp(tmp_path_factory, qwen3_next):
-    """The tiny Qwen3-Next with an MTP layer in its checkpoint (`mtp.*`, as Qwen's files
-    carry it: transformers does not model it): fc, the two pre-fc norms, one
-    full-attention MoE decoder layer (a copy of layer 3's, perturbed), a final norm."""
+    """The tiny Qwen3-Next with an MTP layer in its checkpoint (add_mtp_layer)."""
     import json
     import shutil
-
-    from safetensors.torch import load_file, save_file
 
     source, _ = qwen3_next
     folder = tmp_path_factory.mktemp("qwen3_next_mtp")
@@ -414,18 +455,7 @@ def qwen3_next_mtp(tmp_path_factory, qwen3_next):
     config = json.loads((folder / "config.json").read_text())
     config["num_nextn_predict_layers"] = 1
     (folder / "config.json").write_text(json.dumps(config))
-    (weights,) = folder.glob("*.safetensors")
-    tensors = load_file(weights)
-    g = torch.Generator().manual_seed(17)
-    hidden = config["hidden_size"]
-    for name, t in list(tensors.items()):
-        if name.startswith("model.layers.3."):
-            tensors["mtp.layers.0." + name.removeprefix("model.layers.3.")] = (
-                t + 0.05 * torch.randn(t.shape, generator=g)).contiguous()
-    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.1
-    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        tensors[f"mtp.{norm}.weight"] = torch.randn(hidden, generator=g) * 0.2
-    save_file(tensors, weights, metadata={"format": "pt"})
+    add_mtp_layer(folder)
     return folder
 
 
@@ -455,3 +485,52 @@ def test_mtp_drafts_keep_greedy_output(qwen3_next_mtp, case):
         assert stats.drafted > stats.accepted, stats  # rejected drafts rolled back
     finally:
         engine.close()
+
+
+def test_an_mtp_layer_reads_from_nextn_blocks_or_a_separate_mtp_gguf(tmp_path, caplog):
+    """llama.cpp's layout of the MTP layer (block N of `nextn_predict_layers`, with its
+    `nextn.*` tensors), in the model's GGUF or in an MTP-only GGUF beside one without it
+    (--mtp-model), drafts exactly as the Hugging Face folder's `mtp.*` do; a GGUF without
+    it says so at start-up, and wrong files get a clear error."""
+    import logging
+
+    from strata.errors import StrataError
+
+    folder = tmp_path / "hf"
+    model = build_qwen3_next(folder, mlp_only_layers=[])  # llama.cpp: every layer MoE
+    mtp = add_mtp_layer(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    paths = {name: tmp_path / f"{name}.gguf" for name in ("with", "without", "mtp")}
+    write_qwen3next_gguf(model, paths["with"], mtp=mtp)
+    write_qwen3next_gguf(model, paths["without"])
+    write_qwen3next_gguf(model, paths["mtp"], mtp=mtp, body=False)
+    batch = prompts(2, model.config.vocab_size, seed=12, low=4, high=30)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    drafting = dict(max_context=256, spec=3, spec_type=("mtp",), spec_min_p=0.0,
+                    spec_token_cost=0.0)
+    runs = {}
+    for name, files in {"folder": dict(model=str(folder)),
+                        "one gguf": dict(model=str(paths["with"])),
+                        "two ggufs": dict(model=str(paths["without"]),
+                                          mtp_model=str(paths["mtp"]))}.items():
+        engine = Engine(EngineConfig(**files, **drafting))
+        assert engine.model_config.num_mtp_layers == 1
+        tokens = engine.generate(batch, params)
+        runs[name] = (tokens, engine.draft_stats.drafted, engine.draft_stats.accepted)
+    assert runs["one gguf"] == runs["folder"] == runs["two ggufs"]
+    assert runs["folder"][1] > runs["folder"][2] > 0
+
+    with caplog.at_level(logging.INFO, logger="strata.engine"):
+        Engine(EngineConfig(model=str(paths["without"]), max_context=256, spec=3))
+    assert "has no MTP layer" in caplog.text and "--mtp-model" in caplog.text
+    bad = {"no MTP layer.*--mtp-model FILE adds": dict(model=paths["without"], **drafting),
+           "has its own MTP layer": dict(model=paths["with"], mtp_model=paths["mtp"]),
+           "has no MTP layer \\(no qwen3next.nextn_predict_layers\\)":
+               dict(model=paths["without"], mtp_model=paths["without"]),
+           "no such file": dict(model=paths["without"], mtp_model=tmp_path / "nothing.gguf"),
+           "a Hugging Face folder carries its own": dict(model=folder, mtp_model=paths["mtp"])}
+    for message, settings in bad.items():
+        with pytest.raises(StrataError, match=message):
+            Engine(EngineConfig(**{k: str(v) if k != "spec_type" and isinstance(v, Path) else v
+                                   for k, v in settings.items()}))

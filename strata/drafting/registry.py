@@ -54,7 +54,9 @@ def build_policy(config: EngineConfig, model: ModelConfig) -> DraftPolicy | None
     names = list(config.spec_type) or supported(model)
     for name in names:
         if name not in supported(model):
-            raise StrataError(f"--spec-type {name} is not available for this model; "
+            why = (" (the checkpoint has no MTP layer; for a GGUF model, --mtp-model FILE adds "
+                   "one from an MTP GGUF)" if name == "mtp" else "")
+            raise StrataError(f"--spec-type {name} is not available for this model{why}; "
                               f"available: {', '.join(supported(model))}")
     proposers = [p for p in (PROPOSERS[name](config) for name in names) if p is not None]
     pricing = DraftPricing() if config.spec_pricing == "measured" else None

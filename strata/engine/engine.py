@@ -9,6 +9,7 @@ chat templates and stop strings belong to the caller (strata/llm.py, the server)
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -25,6 +26,8 @@ from strata.sampling.params import SamplingParams
 from strata.scheduler.scheduler import Scheduler
 from strata.stage.runner import ModelRunner, Runner
 from strata.weights.checkpoint import open_checkpoint
+
+log = logging.getLogger("strata.engine")
 
 
 def context_size(config: EngineConfig, model_config) -> int:
@@ -55,7 +58,8 @@ def schedules_ahead(config: EngineConfig) -> bool:
 class Engine:
     def __init__(self, config: EngineConfig, checkpoint=None):
         self.config = config
-        self.checkpoint = checkpoint if checkpoint is not None else open_checkpoint(config.model)
+        self.checkpoint = (checkpoint if checkpoint is not None
+                           else open_checkpoint(config.model, config.mtp_model))
         self.model_config = self.checkpoint.config
         self.max_context = context_size(config, self.model_config)
         if self.max_context > self.model_config.max_position:
@@ -64,6 +68,10 @@ class Engine:
         policy = build_policy(config, self.model_config)
         use_mtp = policy is not None and policy.on_last_stage
         arch = get_architecture(self.model_config)
+        if arch.released_with_mtp and not self.model_config.num_mtp_layers and config.spec:
+            log.info("%s has no MTP layer (quantized GGUFs often leave it out): drafts come "
+                     "from the suffix and lookup proposers; --mtp-model FILE adds the layer "
+                     "from an MTP GGUF", self.checkpoint.path.name)
         stateful = keeps_slot_state(
             arch.cache_spec(i) for i in range(self.model_config.num_layers + use_mtp))
         # A slot's state rows: its committed state, and the states after its last known

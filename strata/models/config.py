@@ -181,9 +181,12 @@ class ModelConfig:
         head_dim = int(fields.get(f"{arch}.attention.key_length") or hidden // heads)
         vocab = fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens", []))
         eos = fields.get("tokenizer.ggml.eos_token_id")
+        # MTP layers (llama.cpp's `nextn`) are the last blocks: block_count counts them.
+        mtp_layers = int(fields.get(f"{arch}.nextn_predict_layers") or 0)
+        layers = int(get("block_count")) - mtp_layers
         hybrid = {}
         if arch in ("qwen3next", "qwen35moe", "qwen35"):  # DeltaNet layers, then attention
-            layers, interval = int(get("block_count")), int(get("full_attention_interval", 4))
+            interval = int(get("full_attention_interval", 4))
             value_heads = int(get("ssm.time_step_rank"))
             hybrid = dict(
                 layer_types=tuple("full_attention" if (i + 1) % interval == 0
@@ -201,7 +204,8 @@ class ModelConfig:
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(fields.get(f"{arch}.feed_forward_length") or 0),
-            num_layers=int(get("block_count")),
+            num_layers=layers,
+            num_mtp_layers=mtp_layers,
             num_heads=heads,
             num_kv_heads=int(fields.get(f"{arch}.attention.head_count_kv") or heads),
             head_dim=head_dim,

@@ -25,6 +25,7 @@ from strata.models.registry import Architecture, register
 class DeepseekV3(Architecture):
     name = "deepseek_v3"
     hf_names = ("DeepseekV3ForCausalLM",)
+    released_with_mtp = True
 
     def make_layer(self, layer: int, rotary: RotaryEmbedding) -> nn.Module:
         c = self.config

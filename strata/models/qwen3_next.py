@@ -5,11 +5,10 @@ DeltaNet's own output norm), and MoE feed-forwards with a gated shared expert. W
 a layer has is the config's `layer_types`. Qwen3.5 MoE stores the DeltaNet's projections
 apart, routes every layer through experts and always renormalises the top-k weights.
 
-The MTP layer (`mtp.*`, Hugging Face folders: layers/mtp.py's Qwen3NextMTP) drafts as the
-other MTP architectures' do. GGUF: llama.cpp's `qwen3next` and `qwen35moe` layouts
-(`read_gguf`; their converter drops the MTP tensors by default). Not yet: CUDA graphs for
-stages with DeltaNet layers (they run eagerly; the delta rule is one Triton kernel per
-run on CUDA: layers/deltanet_triton.py)."""
+The MTP layer (`mtp.*`: layers/mtp.py's Qwen3NextMTP) drafts as the other MTP
+architectures' do. GGUF: llama.cpp's `qwen3next`, `qwen35moe` and `qwen35` layouts
+(`read_gguf`), the MTP layer as their `nextn` block (weights/gguf_checkpoint.py; their
+converter writes it only when asked, or to a separate file: --mtp-model)."""
 
 from __future__ import annotations
 
@@ -33,6 +32,7 @@ from strata.weights.tensor import StoredTensor
 class Qwen3Next(Architecture):
     name = "qwen3_next"
     hf_names = ("Qwen3NextForCausalLM",)
+    released_with_mtp = True
     norm = ZeroCentredRMSNorm
     split_projections = False  # the DeltaNet's in_proj_qkvz / in_proj_ba
     norm_topk_prob: bool | None = None  # None: the config's

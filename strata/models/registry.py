@@ -26,6 +26,8 @@ _HF_NAMES: dict[str, str] = {}
 class Architecture:
     name: str = ""
     hf_names: tuple[str, ...] = ()  # config.json "architectures" values
+    released_with_mtp = False  # its makers' checkpoints carry an MTP layer (a file without
+                               # one lost it in conversion: the engine says so)
 
     def __init__(self, config: ModelConfig, linear: LinearFactory | None = None):
         """`linear`: the stage's factory for projections (default: the stage's dtype)."""

@@ -72,7 +72,7 @@ def run_stage(store: dist.Store, rank: int) -> None:
     keys = rendezvous.strata_keys(store)
     try:
         torch.set_num_threads(config.stage_threads or default_threads(plan.num_stages))
-        checkpoint = open_checkpoint(config.model)
+        checkpoint = open_checkpoint(config.model, config.mtp_model)
         stage = build_stage(config, checkpoint.config, index, plan.cache_size, mtp=plan.mtp)
         stage.load(checkpoint)
         stage.capture_graphs(config)

@@ -44,7 +44,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
                         stream=sys.stderr)
     server_config = resolve_api_key(server_config)
     # Bad files, splits and devices fail here, with one line, before the server listens.
-    checkpoint = open_checkpoint(engine_config.model)
+    checkpoint = open_checkpoint(engine_config.model, engine_config.mtp_model)
     for stage in range(len(engine_config.stage_ranges(checkpoint.config.num_layers))):
         check_device(engine_config.stage_device(stage))
         engine_config.keeps_quantized(stage)  # raises if the stage cannot run its kernels

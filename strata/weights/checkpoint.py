@@ -42,17 +42,22 @@ def default_model_path() -> Path:
     return path
 
 
-def open_checkpoint(path: str | Path | None) -> Checkpoint:
+def open_checkpoint(path: str | Path | None, mtp: str | Path | None = None) -> Checkpoint:
+    """`mtp` (--mtp-model): a GGUF with the MTP layer of a GGUF model that has none."""
     from strata.weights.gguf_checkpoint import GGUFCheckpoint
     from strata.weights.hf_checkpoint import HFCheckpoint
 
-    if isinstance(path, str) and path.startswith("random:"):
+    random = isinstance(path, str) and path.startswith("random:")
+    path = default_model_path() if path is None else path if random else Path(path)
+    if mtp is not None and (random or Path(path).is_dir()):
+        raise StrataError("--mtp-model is for a GGUF --model without its MTP layer; a Hugging "
+                          "Face folder carries its own (mtp.*): leave --mtp-model out")
+    if random:
         from strata.weights.random_checkpoint import RandomCheckpoint
         return RandomCheckpoint(path.removeprefix("random:"))
-    path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise StrataError(f"model not found: {path} (pass --model with a GGUF file or a "
                           "Hugging Face checkpoint folder)")
     if path.is_dir():
         return HFCheckpoint(path)
-    return GGUFCheckpoint(path)
+    return GGUFCheckpoint(path, mtp)

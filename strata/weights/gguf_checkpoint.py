@@ -1,9 +1,18 @@
 """GGUF checkpoints through the `gguf` package: config, tokenizer and chat template from
-the metadata; tensors exposed under Hugging Face names, as their raw blocks and type."""
+the metadata; tensors exposed under Hugging Face names, as their raw blocks and type.
+
+MTP layers are llama.cpp's `nextn` blocks, after the model's own (`block_count` counts
+them, `nextn_predict_layers` says how many): block N's decoder tensors read as
+`mtp.layers.0.*` and its `nextn.eh_proj`, `enorm`, `hnorm` and `shared_head_norm` as
+`mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden` and `mtp.norm` (Qwen's
+names). Quantized files often leave them out (llama.cpp's converter writes them only when
+asked, or into a separate MTP-only GGUF): `mtp` attaches such a file's MTP tensors.
+"""
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from strata.errors import StrataError
@@ -55,49 +64,72 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+_NEXTN_NAMES = {
+    "nextn.eh_proj.weight": "mtp.fc.weight",
+    "nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+    "nextn.hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+    "nextn.shared_head_norm.weight": "mtp.norm.weight",
+}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, num_layers: int | None = None) -> str | None:
+    """The Hugging Face name of a GGUF tensor; blocks from `num_layers` on are MTP layers."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if not m:
+        return None
+    block, local = int(m.group(1)), m.group(2)
+    mtp = num_layers is not None and block >= num_layers
+    if mtp and local in _NEXTN_NAMES:
+        return _NEXTN_NAMES[local] if block == num_layers else None  # one MTP layer
+    if local in _LAYER_NAMES:
+        prefix = f"mtp.layers.{block - num_layers}" if mtp else f"model.layers.{block}"
+        return f"{prefix}.{_LAYER_NAMES[local]}"
     return None
 
 
 class GGUFCheckpoint:
     format = "gguf"
 
-    def __init__(self, path: Path):
-        import gguf
-
+    def __init__(self, path: Path, mtp: Path | None = None):
+        """`mtp`: a GGUF holding this model's MTP layer (llama.cpp's MTP-only file)."""
         self.path = path
-        try:
-            self._reader = gguf.GGUFReader(str(path))
-        except Exception as e:  # the gguf package raises many types on bad files
-            raise StrataError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); "
-                              "it may be truncated or corrupt: download it again") from None
-        from strata.tokenizer.gguf_vocab import read_gguf_fields
-        self.fields = read_gguf_fields(self._reader)
+        self._reader, self.fields = _open(path)
         self.config = ModelConfig.from_gguf(self.fields)
-        self._tensors = {}
-        for t in self._reader.tensors:
-            name = hf_name(t.name)
-            if name is not None:
-                self._tensors[name] = t
-        self._check_complete()
+        self._tensors = _tensors(self._reader, path, self.config.num_layers)
+        if mtp is not None:
+            self._attach_mtp(Path(mtp))
 
-    def _check_complete(self) -> None:
-        size = self.path.stat().st_size
-        for t in self._tensors.values():
-            if t.data_offset + t.n_bytes > size:
-                raise StrataError(f"{self.path} is truncated (tensor {t.name} ends past the end "
-                                  "of the file); download it again")
+    def _attach_mtp(self, path: Path) -> None:
+        if not path.is_file():
+            raise StrataError(f"--mtp-model {path}: no such file (give an MTP GGUF: llama.cpp's "
+                              "convert_hf_to_gguf.py writes one with --mtp)")
+        if self.config.num_mtp_layers:
+            raise StrataError(f"--mtp-model {path}: {self.path.name} has its own MTP layer "
+                              "already; leave --mtp-model out")
+        reader, fields = _open(path)
+        config = ModelConfig.from_gguf(fields)
+        mine = self.config
+        if not config.num_mtp_layers:
+            raise StrataError(f"--mtp-model {path} has no MTP layer (no "
+                              f"{fields.get('general.architecture')}.nextn_predict_layers)")
+        if (config.architecture, config.num_layers, config.hidden_size) != (
+                mine.architecture, mine.num_layers, mine.hidden_size):
+            raise StrataError(
+                f"--mtp-model {path} is an MTP layer for a {config.architecture} of "
+                f"{config.num_layers} layers and hidden size {config.hidden_size}, but the "
+                f"model is a {mine.architecture} of {mine.num_layers} layers and hidden size "
+                f"{mine.hidden_size}: give the MTP file converted from the same model")
+        self._mtp_reader = reader  # keeps its memory map open
+        self._tensors.update({name: t for name, t in _tensors(reader, path, config.num_layers)
+                              .items() if name.startswith("mtp.")})
+        self.config = replace(mine, num_mtp_layers=config.num_mtp_layers)
 
     def has(self, name: str) -> bool:
         return name in self._tensors
+
 
     def read(self, name: str) -> StoredTensor:
         if name not in self._tensors:
@@ -110,3 +142,30 @@ class GGUFCheckpoint:
     def load_tokenizer(self):
         from strata.tokenizer import Tokenizer
         return Tokenizer.from_gguf(self.fields)
+
+
+def _open(path: Path):
+    """The file's reader and its metadata as plain Python values."""
+    import gguf
+
+    from strata.tokenizer.gguf_vocab import read_gguf_fields
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises many types on bad files
+        raise StrataError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); "
+                          "it may be truncated or corrupt: download it again") from None
+    return reader, read_gguf_fields(reader)
+
+
+def _tensors(reader, path: Path, num_layers: int) -> dict:
+    """The file's tensors by Hugging Face name, each checked to lie within the file."""
+    size = path.stat().st_size
+    tensors = {}
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise StrataError(f"{path} is truncated (tensor {t.name} ends past the end "
+                              "of the file); download it again")
+        name = hf_name(t.name, num_layers)
+        if name is not None:
+            tensors[name] = t
+    return tensors
