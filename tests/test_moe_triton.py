@@ -208,6 +208,45 @@ def test_grouped_top_k_routing_with_shared_experts(tokens):
     assert_matches(layer(x), ref)
 
 
+@pytest.mark.parametrize("experts,top_k", [(8, 1), (8, 3), (128, 8), (512, 10)])
+@pytest.mark.parametrize("renormalise", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_top_k_routes_as_torch(experts, top_k, renormalise, dtype):
+    """route_triton's kernel (triton's interpreter) against softmax, topk, the division
+    and the cast: the same experts in the same (descending) order — among equal
+    probabilities (bf16 logits) any of them —, the same weights."""
+    from strata.layers.route_triton import softmax_top_k
+
+    logits = window(5, experts, dtype, seed=experts + top_k) * 3
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    want, chosen = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        want = want / want.sum(dim=-1, keepdim=True)
+    weights, got = softmax_top_k(logits, top_k, renormalise, dtype)
+    assert got.dtype == torch.int64 and weights.dtype == dtype
+    if dtype == torch.float32:  # no ties: the same experts
+        assert torch.equal(got, chosen)
+    else:  # bf16 logits tie often: any k of the largest, in descending order
+        picked = probs.gather(1, got)
+        assert torch.equal(picked, probs.gather(1, chosen))
+        assert all(len(set(row)) == top_k for row in got.tolist())
+    torch.testing.assert_close(weights, want.to(dtype), rtol=1e-6 if dtype == torch.float32
+                               else 8e-3, atol=1e-7)
+    with pytest.raises(ValueError, match="top-17 of 512 experts"):
+        softmax_top_k(window(1, 512, seed=1), 17, True, dtype)
+
+
+@torch.no_grad()
+def test_sparse_moe_routes_by_the_triton_kernel_as_by_torch():
+    """A SparseMoE layer whose router is the kernel (as on CUDA) equals its torch one."""
+    layer = randomized(SparseMoE(64, 48, 16, 4, True, LinearFactory()), seed=12)
+    reference(layer.experts)
+    x = window(6, 64, seed=13)
+    ref = layer(x)
+    layer.router = "triton"
+    assert_matches(layer(x), ref)
+
+
 def test_the_host_code_never_syncs():
     """No host reads or data-sized results in the launcher (a CUDA graph could not
     capture them): none of these calls appears anywhere in the module."""
@@ -255,6 +294,27 @@ def compile_route(arch: int, pairs: int = 320, experts: int = 512):
                           dict(num_warps=4))
 
 
+def compile_small(arch: int, experts: int = 512, top_k: int = 10):
+    """route_triton's `_softmax_top_k` (bf16 logits of `experts` experts, top-k) and
+    `_combine` (top-k rows of 2048 columns), compiled for compute capability `arch`."""
+    from strata.layers import route_triton
+
+    def router(name: str) -> str:
+        return {"logits_ptr": "*bf16", "weights_ptr": "*bf16", "experts_ptr": "*i64"}.get(
+            name, "i32")
+
+    def combine(name: str) -> str:
+        return {"out_ptr": "*fp32", "y_ptr": "*bf16"}.get(name, "i32")
+
+    options = dict(num_warps=4)
+    return [compile_kernel(route_triton._softmax_top_k, arch,
+                           dict(TOP_K=top_k, BLOCK_E=experts, BLOCK_K=16, RENORMALISE=True),
+                           router, options),
+            compile_kernel(moe_triton._combine, arch,
+                           dict(TOP_K=top_k, BLOCK_H=moe_triton.COMBINE_BLOCK), combine,
+                           options)]
+
+
 COMPILED = [("bfloat16", 1), ("bfloat16", 32), ("float32", 32)]
 
 
@@ -264,13 +324,14 @@ def test_the_kernels_compile_for_rtx3090_and_h200(tmp_path):
     without a GPU. In a fresh process, since the compiler cannot run where the
     interpreter is chosen."""
     code = ("import torch; from test_moe_triton import COMPILED, compile_offline\n"
-            "from test_moe_triton import compile_route\n"
+            "from test_moe_triton import compile_route, compile_small\n"
             "for arch in (86, 90):\n"
             "    print(*[k.metadata.shared for d, t in COMPILED\n"
             "            for k in compile_offline(arch, t, getattr(torch, d))])\n"
-            "    print(compile_route(arch).metadata.shared)")
+            "    print(compile_route(arch).metadata.shared)\n"
+            "    print(*[k.metadata.shared for k in compile_small(arch)])")
     shared = offline_compiled(code, tmp_path)
-    assert len(shared) == 2 * (2 * len(COMPILED) + 1)
+    assert len(shared) == 2 * (2 * len(COMPILED) + 3)
     assert max(shared) <= SM86_SHARED
 
 

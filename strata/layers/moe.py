@@ -1,8 +1,8 @@
 """Mixture-of-experts feed-forward: top-k routing and a grouped expert computation.
 
-Two routers: softmax top-k (SparseMoE, qwen3_moe) and DeepSeek-V3's sigmoid scores with
-a selection bias and group-limited top-k (GroupedTopKRouter, used with always-on shared
-experts by SharedExpertMoE). Token-expert pairs are sorted by expert so that each expert
+Two routers: softmax top-k (SparseMoE, qwen3_moe; one Triton kernel on CUDA:
+route_triton.py) and DeepSeek-V3's sigmoid scores with a selection bias and group-limited
+top-k (GroupedTopKRouter, used with always-on shared experts by SharedExpertMoE). Token-expert pairs are sorted by expert so that each expert
 multiplies one contiguous slice of rows (a grouped matrix product); the loop, where there
 is one, runs over experts, never over tokens. Decode and verify windows on CUDA take the
 fused kernels of moe_triton.py instead. Expert weights are dense, or (`--quantized-weights
@@ -34,8 +34,16 @@ class SparseMoE(nn.Module):
         self.experts = GroupedExperts(hidden, intermediate, num_experts,
                                       quantized=linear.format.quantized)
 
+    router = "auto"  # "torch", "triton" (route_triton.py) or "auto": triton on CUDA
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        router_probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        logits = self.gate(x)
+        if self.router == "triton" or (self.router == "auto" and x.is_cuda
+                                       and triton_available()):
+            from strata.layers.route_triton import softmax_top_k
+            weights, experts = softmax_top_k(logits, self.top_k, self.norm_topk_prob, x.dtype)
+            return self.experts(x, experts, weights)
+        router_probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(router_probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)

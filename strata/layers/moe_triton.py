@@ -20,8 +20,8 @@ follow, one program per (listed expert, tile of BLOCK_N output columns):
               walking I; each pair's row times its routing weight, in fp32, into
               out [T*k, H] at the pair's own index p.
 
-and y = out.view(T, k, H).sum(1): each token's k rows added in a fixed order (no atomics,
-so the result is deterministic). A decoding window of DeepSeek-V3 (k = 8 of E = 256)
+and y = out.view(T, k, H).sum(1) in x's dtype (`_combine`): each token's k rows added in
+order (no atomics, so the result is deterministic). A decoding window of DeepSeek-V3 (k = 8 of E = 256)
 thus launches 8 programs per column tile, not 256; a program of an expert that no pair
 routes to (padding of the list) runs no step and reads no weight; one of an expert with
 more pairs than BLOCK_T (a token naming an expert twice) walks them BLOCK_T at a time.
@@ -319,6 +319,32 @@ def _check(x, experts, weights, gate_proj, up_proj, down_proj) -> None:
             raise ValueError(f"x is on {x.device} but {name} on {t.device}")
 
 
+@triton.jit
+def _combine(out_ptr, y_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """y[t] = the sum of out's rows t*k .. t*k + k - 1 in order (fp32), in y's dtype."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(out_ptr + (token * TOP_K + j) * hidden + cols, mask=ok, other=0.0)
+    dtype = y_ptr.dtype.element_ty
+    tl.store(y_ptr + token * hidden + cols, _rounded(acc, dtype).to(dtype), mask=ok)
+
+
+COMBINE_BLOCK = 512  # hidden columns per _combine program
+
+
+def _combined(out: torch.Tensor, tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's k weighted expert rows of out [T*k, H] (fp32) summed, in `dtype`: one
+    launch for what .sum and the cast took two for."""
+    hidden = out.shape[1]
+    y = torch.empty(tokens, hidden, dtype=dtype, device=out.device)
+    _combine[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
+        out, y, hidden, TOP_K=top_k, BLOCK_H=COMBINE_BLOCK, num_warps=4)
+    return y
+
+
 def _inner_contiguous(w: torch.Tensor) -> torch.Tensor:
     return w if w.stride(2) == 1 else w.contiguous()
 
@@ -409,7 +435,7 @@ def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
         h, down_proj, weights.reshape(-1).contiguous(), out, listed, counts, starts, order,
         hidden, inter, h.stride(0), down_proj.stride(0), down_proj.stride(1), out.stride(0),
         **down_constants, **launch)
-    return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    return _combined(out, tokens, top_k, x.dtype)
 
 
 def quantized_constants(tokens: int, dtype: torch.dtype, qtypes: tuple[str, str, str],
@@ -504,4 +530,4 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: tor
         h, down_blocks, weights.reshape(-1).contiguous(), out, listed, counts, starts, order,
         hidden, inter // GROUPS[down_qtype][0], h.stride(0), down_blocks.stride(0),
         down_blocks.stride(1), out.stride(0), **down_constants, **launch)
-    return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    return _combined(out, tokens, top_k, x.dtype)
