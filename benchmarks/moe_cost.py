@@ -13,19 +13,24 @@ and its ratio to the roofline. Paths: `grouped` (tokens sorted by expert, one gr
 matrix product per projection: `torch._grouped_mm` on CUDA, a loop over experts elsewhere)
 and `fused` (strata/layers/moe_triton.py: two Triton kernels reading only the routed
 experts; CUDA, or anywhere under TRITON_INTERPRET=1). On CUDA every path is timed as a
-CUDA graph replay where it can be captured (launches excluded), else eagerly.
+CUDA graph replay where it can be captured (launches and the replay's own ~14 us
+excluded: one graph runs GRAPH_CALLS windows, each of its own random tokens, so that no
+window finds its experts in the L2 cache), else eagerly. "experts touched" is the mean
+over those windows.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import statistics
 import sys
 import time
 
 import torch
 
 from strata.bench.report import add_record_flags, commit, machine, markdown_table, record
-from strata.bench.timing import median_seconds, random_weights
+from strata.bench.timing import GRAPH_CALLS, median_seconds, random_weights
 from strata.layers.linear import LinearFactory, WeightFormat
 from strata.layers.moe import SparseMoE
 from strata.weights.random_checkpoint import PRESETS
@@ -85,18 +90,24 @@ def main() -> int:
     rows, raw = [], {}
     with torch.inference_mode():
         for w in widths:
-            x = torch.randn(w, hidden, dtype=dtype, device=device, generator=gen)
-            probs = torch.softmax(layer.gate(x).float(), dim=-1)
-            touched = int(torch.topk(probs, layer.top_k, dim=-1).indices.unique().numel())
+            # GRAPH_CALLS windows, each its own tokens and experts (a graph replays them in
+            # turn: no window finds another's experts in the L2 cache, as in a model).
+            xs = [torch.randn(w, hidden, dtype=dtype, device=device, generator=gen)
+                  for _ in range(GRAPH_CALLS)]
+            touched = statistics.mean(
+                int(torch.topk(torch.softmax(layer.gate(x).float(), dim=-1), layer.top_k,
+                               dim=-1).indices.unique().numel()) for x in xs)
             need = touched * expert_bytes + router_bytes
             roof = need / speed
             seconds = {}
             for path in paths:
                 experts.path = path
-                seconds[path] = median_seconds(lambda: layer(x), device, args.repeats)
+                windows = itertools.cycle(xs)
+                seconds[path] = median_seconds(lambda: layer(next(windows)), device,
+                                               args.repeats)
             experts.path = "auto"
             raw[w] = {"touched": touched, "bytes": need, "roofline_s": roof, **seconds}
-            rows.append([w, touched, f"{need / 2**20:.1f}", f"{roof * 1e6:.0f}"]
+            rows.append([w, f"{touched:.1f}", f"{need / 2**20:.1f}", f"{roof * 1e6:.0f}"]
                         + [f"{seconds[p] * 1e6:.0f} / {seconds[p] / roof:.2f}x" for p in paths])
     print(f"machine: {machine()}\ncommit: {commit()}\nsettings: preset={args.preset} "
           f"experts={num_experts} top_k={layer.top_k} hidden={hidden} "

@@ -1,7 +1,8 @@
 """Helpers of the kernel benchmarks (benchmarks/moe_cost.py, quant_speed.py,
-deltanet_cost.py): the median time of a call — on CUDA replayed from a CUDA graph where the
-call can be captured (launches not counted) unless asked to run eagerly, else eagerly with
-a sync around each call — and random weights for a layer built on its own."""
+deltanet_cost.py): the median time of a call — on CUDA replayed from a CUDA graph of
+several calls where the call can be captured (launches and the replay's own cost not
+counted) unless asked to run eagerly, else eagerly with a sync around each call — and
+random weights for a layer built on its own."""
 
 from __future__ import annotations
 
@@ -11,18 +12,26 @@ from collections.abc import Callable
 
 import torch
 
+GRAPH_CALLS = 20  # calls captured in one CUDA graph (median_seconds)
+
 
 def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int,
-                   eager: bool = False) -> float:
-    """`eager`: time each call as launched (for layers that are not captured in graphs)."""
+                   eager: bool = False, per_graph: int = GRAPH_CALLS) -> float:
+    """`eager`: time each call as launched (for layers that are not captured in graphs).
+    A CUDA graph holds `per_graph` calls back to back and its replay time is divided by
+    them: a replay and its sync cost ~14 us on the H200 whatever the graph holds, more
+    than a decoding window's MoE routing or DeltaNet layer (benchmarks/README.md), and a
+    model's stage replays all its layers in one graph."""
     fn()  # compiles and warms up
+    calls = 1
     if device.type == "cuda" and not eager:
         torch.cuda.synchronize(device)
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                fn()
-            fn = graph.replay
+                for _ in range(per_graph):
+                    fn()
+            fn, calls = graph.replay, per_graph
         except RuntimeError:  # not capturable (a host sync): timed eagerly
             torch.cuda.synchronize(device)
     times = []
@@ -33,7 +42,7 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int,
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 
