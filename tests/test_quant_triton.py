@@ -96,15 +96,22 @@ def test_both_split_paths_are_tested():
     assert triton_quant.gemv_splits(ROWS, 8) == 2 and triton_quant.gemv_splits(ROWS, 16) == 4
     assert triton_quant.gemv_splits(64, 18) == 4
     assert triton_quant.gemv_splits(100_000, 4096) == 1  # a big weight fills the GPU alone
+    # Windows of up to ROW_TOKENS tokens (_gemv_rows): 32-value formats above split their 4
+    # blocks in 2, K-quants keep their 2 whole; the wide and the real weights split more.
+    assert triton_quant.row_splits(ROWS, 4) == 2 and triton_quant.row_splits(ROWS, 2) == 1
+    assert triton_quant.row_splits(3, 32) == 16
 
 
-def test_gemv_in_a_wide_weight_and_a_strided_window():
-    """More groups than splits x 4 (several per split), and x a slice of a wider tensor."""
-    blocks = random_blocks("Q4_0", rows=3, seed=7)
-    wide = np.concatenate([blocks] * 8, axis=1)   # 32 blocks a row: 4 splits of 8 groups
-    ref = reference(wide, "Q4_0")
-    x = tokens(5, 2 * ref.shape[1])[:, ::2]
-    assert_matches(triton_quant.gemv(x, torch.from_numpy(wide), "Q4_0"), x @ ref.T, 1e-5)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q6_K"])
+@pytest.mark.parametrize("count", [2, 5])
+def test_gemv_in_a_wide_weight_and_a_strided_window(qtype, count):
+    """More groups than splits x 4 (several per split; 5 tokens) or blocks than splits
+    (2 tokens: _gemv_rows), and x a slice of a wider tensor."""
+    blocks = random_blocks(qtype, rows=3, seed=7)
+    wide = np.concatenate([blocks] * 8, axis=1)   # 32 blocks a row (16 for Q6_K)
+    ref = reference(wide, qtype)
+    x = tokens(count, 2 * ref.shape[1])[:, ::2]
+    assert_matches(triton_quant.gemv(x, torch.from_numpy(wide), qtype), x @ ref.T, 1e-5)
 
 
 def default_model() -> Path:
@@ -133,13 +140,16 @@ def test_gemv_of_the_default_models_q4_1_tensor():
 
 
 def compile_offline(arch: int, qtype: str, count: int | None, dtype=torch.bfloat16):
-    """`_gemv` for a window of `count` tokens of `dtype` (or `_dequantize` to `dtype`,
-    count None) as triton compiles it for an NVIDIA GPU of compute capability `arch`
+    """`_gemv` for a window of `count` tokens of `dtype` (`_gemv_rows` up to ROW_TOKENS
+    tokens; `_dequantize` to `dtype`, count None) as triton compiles it for an NVIDIA GPU of compute capability `arch`
     (no GPU needed), with the constants the launchers pass."""
     if count is None:
         kernel = triton_quant._dequantize
         constants, num_warps = dict(FORMAT=qtype, C=triton_quant.GROUPS[qtype][1],
                                     BLOCK_N=triton_quant.BLOCK_N), 4
+    elif count <= triton_quant.ROW_TOKENS:
+        kernel = triton_quant._gemv_rows
+        constants, num_warps = triton_quant.row_constants(count, qtype), 1
     else:
         kernel = triton_quant._gemv
         constants, num_warps = triton_quant.gemv_constants(count, dtype, qtype)
@@ -152,13 +162,15 @@ def compile_offline(arch: int, qtype: str, count: int | None, dtype=torch.bfloat
                           dict(num_warps=num_warps, num_stages=2))
 
 
-COMPILED = [(qtype, count) for qtype in ("Q4_1", "Q4_K", "Q6_K") for count in (1, 4, 32, None)]
+COMPILED = [(qtype, count) for qtype in ("Q4_1", "Q4_K", "Q6_K") for count in (1, 4, 32, None)
+            ] + [(qtype, 1) for qtype in ("Q8_0", "Q4_0", "Q5_K")]
 
 
 def test_the_kernels_compile_for_rtx3090_and_h200(tmp_path):
     """The interpreter runs what the GPU compiler may reject (types, layouts, shared
-    memory): compile a 32-value format and two K-quants, both gemv paths and dequantize,
-    for SM86 and SM90 without a GPU. In a fresh process, since the compiler cannot run
+    memory): compile a 32-value format and two K-quants, the three gemv paths (windows of
+    1 and 4 tokens by rows, 32 by groups) and dequantize, and the other formats' row
+    kernel, for SM86 and SM90 without a GPU. In a fresh process, since the compiler cannot run
     where the interpreter is chosen."""
     code = ("from test_quant_triton import COMPILED, compile_offline\n"
             "for arch in (86, 90):\n"

@@ -15,10 +15,16 @@ its scales as per-row vectors (f16 fields rebuilt from two bytes and bitcast). T
 stay small integers (exact in bf16/fp16), so the tokens multiply them directly and the
 scale and offset apply to the per-row sums: sum_k x_k (s q_k + o) = s (x . q) + o sum(x).
 
-`gemv`: program (i, j) owns output rows i*BLOCK_N.. (a row tile) for all the window's
-tokens (padded to a power of two, T_PAD) and walks split j of the rows' groups, so the
-weights are read once for all tokens. Windows of up to REDUCE_TOKENS tokens multiply on
-the CUDA cores (broadcast and sum); larger ones with tl.dot (T_PAD >= 16). The number of
+`gemv`, windows of up to ROW_TOKENS tokens (decode, short verify runs): `_gemv_rows`,
+program (i, j) owns ROW_BLOCK rows and walks split j of their blocks whole — a block's
+quants as one [ROW_BLOCK, runs, values per run] tile (RUNS: a Q4_K block is 8 runs of 32,
+one per sub-block, each byte read for its low and its high nibble), its scales once —
+multiplying on the CUDA cores, one warp a program. Windows of more: `_gemv`, program
+(i, j) owns output rows i*BLOCK_N.. (a row tile) for all the window's tokens (padded to
+a power of two, T_PAD) and walks split j of the rows' groups, so the weights are read
+once for all tokens, with tl.dot (T_PAD >= 16; REDUCE_TOKENS: below it, a broadcast
+sum). On the H200 `_gemv_rows` reads Q4_K 3-5x faster than `_gemv` did at one token
+(benchmarks/README.md). The number of
 splits follows the weight's and window's shapes only (enough programs to fill a GPU):
 with one split the program stores y in x's dtype, with more, fp32 partials that one sum
 adds up. `dequantize`: program (i, g) writes group g of row tile i.
@@ -44,6 +50,15 @@ TARGET_PROGRAMS = 256  # gemv splits a row's groups until about this many progra
 MIN_SPLIT_GROUPS = 4  # ... but gives every split at least this many groups
 MAX_SPLITS = 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# _gemv_rows (windows of up to ROW_TOKENS tokens): a program owns ROW_BLOCK rows and walks
+# their blocks whole; per format (runs per block, values per run).
+ROW_TOKENS = 4
+ROW_BLOCK = 4
+ROW_PROGRAMS = 2048   # ... splitting the blocks of a row until about this many programs
+MIN_SPLIT_BLOCKS = 2
+RUNS = {"Q8_0": (1, 32), "Q4_0": (2, 16), "Q4_1": (2, 16), "Q4_K": (8, 32), "Q5_K": (8, 32),
+        "Q6_K": (16, 16)}
 
 # Per format: (values per group, C = quants per run).
 GROUPS = {"Q8_0": (32, 16), "Q4_0": (32, 16), "Q4_1": (32, 16),
@@ -246,6 +261,90 @@ def _dequantize(blocks_ptr, out_ptr,                # [N, row bytes] uint8, [N, 
              mask=row_ok[:, None])
 
 
+@triton.jit
+def _decode_block(blocks_ptr, base, FORMAT: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """Block `base` [ROWS] (byte offsets, int64) of each row: its quants q [ROWS, R, C]
+    (fp32 integers; value r*C + j of the block is scale[:, r] * q[:, r, j] + offset[:, r])
+    and the per-run scale and offset [ROWS, R]."""
+    r = tl.arange(0, R)[None, :, None]
+    j = tl.arange(0, C)[None, None, :]
+    at = base[:, None, None]
+    rs = tl.arange(0, R)[None, :]
+    if FORMAT == "Q8_0":  # d f16, 32 x int8
+        q = tl.load(blocks_ptr + at + 2 + j).to(tl.int8, bitcast=True).to(tl.float32)
+        scale = _f16(blocks_ptr + base, base >= 0)[:, None] + tl.zeros([1, R], tl.float32)
+        offset = tl.zeros_like(scale)
+    elif FORMAT == "Q4_0" or FORMAT == "Q4_1":  # d f16, [m f16,] 16 bytes: j | j + 16
+        first = 2 if FORMAT == "Q4_0" else 4
+        q = (tl.load(blocks_ptr + at + first + j).to(tl.int32) >> (4 * r)) & 15
+        scale = _f16(blocks_ptr + base, base >= 0)[:, None] + tl.zeros([1, R], tl.float32)
+        if FORMAT == "Q4_0":
+            q = q - 8
+            offset = tl.zeros_like(scale)
+        else:
+            offset = _f16(blocks_ptr + base + 2, base >= 0)[:, None] + tl.zeros([1, R],
+                                                                                tl.float32)
+        q = q.to(tl.float32)
+    elif FORMAT == "Q4_K" or FORMAT == "Q5_K":  # run r = sub-block r (32 values)
+        quants = 16 if FORMAT == "Q4_K" else 48
+        q = (tl.load(blocks_ptr + at + quants + (r // 2) * 32 + j).to(tl.int32)
+             >> (4 * (r % 2))) & 15
+        if FORMAT == "Q5_K":  # bit r of byte 16 + j: the fifth bit of value j of run r
+            q = q | (((tl.load(blocks_ptr + at + 16 + j).to(tl.int32) >> r) & 1) << 4)
+        q = q.to(tl.float32)
+        i = rs % 4
+        sp = blocks_ptr + base[:, None] + 4
+        a = tl.load(sp + i).to(tl.int32)
+        b = tl.load(sp + 4 + i).to(tl.int32)
+        c = tl.load(sp + 8 + i).to(tl.int32)
+        sc = tl.where(rs < 4, a & 63, (c & 15) | ((a >> 6) << 4)).to(tl.float32)
+        mn = tl.where(rs < 4, b & 63, (c >> 4) | ((b >> 6) << 4)).to(tl.float32)
+        scale = _f16(blocks_ptr + base, base >= 0)[:, None] * sc
+        offset = -_f16(blocks_ptr + base + 2, base >= 0)[:, None] * mn
+    else:  # Q6_K, run r = values 16r..16r+15 (see _decode_group for the bytes)
+        v = r * 16 + j
+        w = v % 128
+        half = v // 128
+        low = tl.load(blocks_ptr + at + half * 64 + w % 64).to(tl.int32) >> (4 * (w // 64))
+        top = tl.load(blocks_ptr + at + 128 + half * 32 + w % 32).to(tl.int32) >> (
+            2 * ((w % 64) // 32) + 4 * (w // 64))
+        q = (((low & 15) | ((top & 3) << 4)) - 32).to(tl.float32)
+        sc = tl.load(blocks_ptr + base[:, None] + 192 + rs).to(tl.int8, bitcast=True)
+        scale = _f16(blocks_ptr + base + 208, base >= 0)[:, None] * sc.to(tl.float32)
+        offset = tl.zeros_like(scale)
+    return q, scale, offset
+
+
+# NOTE: the window's size is a constexpr here (1..ROW_TOKENS: a few variants).
+@triton.jit
+def _gemv_rows(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uint8, [S, T, N]
+               num_rows, stride_xt, stride_row, num_blocks,
+               FORMAT: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
+               BLOCK_BYTES: tl.constexpr, TOKENS: tl.constexpr, T_PAD: tl.constexpr,
+               ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < num_rows
+    row_start = tl.where(row_ok, rows, 0).to(tl.int64) * stride_row
+    per_split = tl.cdiv(num_blocks, tl.num_programs(1))
+    lo = tl.program_id(1) * per_split
+    hi = tl.minimum(num_blocks, lo + per_split)
+    values = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]      # [R, C]
+    t = tl.arange(0, T_PAD)
+    acc = tl.zeros([T_PAD, ROWS], dtype=tl.float32)
+    for b in range(lo, hi):
+        q, scale, offset = _decode_block(blocks_ptr, row_start + b * BLOCK_BYTES, FORMAT,
+                                         R, C)
+        for token in tl.static_range(TOKENS):
+            x = tl.load(x_ptr + token * stride_xt + b * (R * C) + values).to(tl.float32)
+            dots = tl.sum(q * x[None, :, :], axis=2)                     # [ROWS, R]
+            y = tl.sum(scale * dots + offset * tl.sum(x, axis=1)[None, :], axis=1)
+            acc = tl.where(t[:, None] == token, acc + y[None, :], acc)
+    out = out_ptr + (tl.program_id(1) * TOKENS + t[:, None]).to(tl.int64) * num_rows \
+        + rows[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty),
+             mask=(t < TOKENS)[:, None] & row_ok[None, :])
+
+
 def check_blocks(blocks: torch.Tensor, qtype: str, name: str | None = None,
                  stacked: bool = False) -> tuple[int, int]:
     """(rows, values per row) of a quantized weight — uint8 [rows, row bytes], or
@@ -308,6 +407,8 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     if x.device != blocks.device:
         raise ValueError(f"x is on {x.device} but the weight on {blocks.device}")
     x = x.contiguous()
+    if tokens <= ROW_TOKENS:
+        return _gemv_by_rows(x, blocks, qtype, rows, values)
     groups = values // GROUPS[qtype][0]
     splits = gemv_splits(rows, groups)
     constants, num_warps = gemv_constants(tokens, x.dtype, qtype, x.device.type)
@@ -319,6 +420,38 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     _gemv[(triton.cdiv(rows, BLOCK_N), splits)](
         x, blocks, partial, tokens, rows, x.stride(0), blocks.stride(0), groups,
         **constants, num_warps=num_warps, num_stages=2)
+    if splits > 1:
+        out.copy_(partial.sum(dim=0))
+    return out
+
+
+def row_splits(rows: int, blocks: int) -> int:
+    """Splits of each row tile's blocks (_gemv_rows): by the weight's shape only."""
+    tiles = triton.cdiv(rows, ROW_BLOCK)
+    return max(1, min(MAX_SPLITS, triton.cdiv(ROW_PROGRAMS, tiles),
+                      blocks // MIN_SPLIT_BLOCKS))
+
+
+def row_constants(tokens: int, qtype: str) -> dict:
+    """`_gemv_rows`' constexprs for a window of `tokens` (<= ROW_TOKENS) tokens."""
+    runs, run_values = RUNS[qtype]
+    return dict(FORMAT=qtype, R=runs, C=run_values, BLOCK_BYTES=FORMATS[qtype].block_bytes,
+                TOKENS=tokens, T_PAD=triton.next_power_of_2(tokens), ROWS=ROW_BLOCK)
+
+
+def _gemv_by_rows(x: torch.Tensor, blocks: torch.Tensor, qtype: str, rows: int,
+                  values: int) -> torch.Tensor:
+    tokens = x.shape[0]
+    fmt = FORMATS[qtype]
+    splits = row_splits(rows, values // fmt.block_values)
+    out = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    partial = out if splits == 1 else torch.empty(splits, tokens, rows, dtype=torch.float32,
+                                                  device=x.device)
+    _gemv_rows[(triton.cdiv(rows, ROW_BLOCK), splits)](
+        x, blocks, partial, rows, x.stride(0), blocks.stride(0), values // fmt.block_values,
+        **row_constants(tokens, qtype), num_warps=1)
     if splits > 1:
         out.copy_(partial.sum(dim=0))
     return out
