@@ -175,11 +175,18 @@ def test_experts_that_no_token_routes_to_are_never_read():
 
 def compile_offline(arch: int, qtypes: tuple[str, str, str], tokens: int, dtype,
                     hidden: int = 2048, inter: int = 768):
-    """`_gate_up_q` and `_down_q` for a window of `tokens` tokens of `dtype` (Qwen3-30B-
+    """`_gate_up_q` and `_down_q` (their row versions up to ROW_TOKENS tokens) for a
+    window of `tokens` tokens of `dtype` (Qwen3-30B-
     A3B's expert shape by default) as triton compiles them for an NVIDIA GPU of compute
     capability `arch` (no GPU needed), with the constants the launcher passes."""
-    gate_up, down, launch = moe_triton.quantized_constants(tokens, dtype, qtypes, hidden,
-                                                              inter)
+    if tokens <= moe_triton.ROW_TOKENS:  # decode: the row kernels
+        kernels = (moe_triton._gate_up_q_rows, moe_triton._down_q_rows)
+        gate_up, down = moe_triton.row_constants(qtypes)
+        launch = dict(num_warps=1)
+    else:
+        kernels = (moe_triton._gate_up_q, moe_triton._down_q)
+        gate_up, down, launch = moe_triton.quantized_constants(tokens, dtype, qtypes, hidden,
+                                                                  inter)
 
     def types(name: str) -> str:
         return ("*u8" if name in ("gate_ptr", "up_ptr", "down_ptr") else
@@ -189,19 +196,19 @@ def compile_offline(arch: int, qtypes: tuple[str, str, str], tokens: int, dtype,
                 "*" + TRITON_TYPES[dtype] if name.endswith("_ptr") else "i32")
 
     return [compile_kernel(kernel, arch, constants, types, launch)
-            for kernel, constants in ((moe_triton._gate_up_q, gate_up),
-                                      (moe_triton._down_q, down))]
+            for kernel, constants in zip(kernels, (gate_up, down))]
 
 
 COMPILED = [(("Q4_1", "Q4_1", "Q4_0"), 1, "bfloat16"),
+            (("Q4_K", "Q4_K", "Q6_K"), 1, "bfloat16"),
             (("Q4_K", "Q5_K", "Q6_K"), 32, "bfloat16"),
             (("Q8_0", "Q4_K", "Q6_K"), 8, "float32")]
 
 
 def test_the_kernels_compile_for_rtx3090_and_h200(tmp_path):
     """The interpreter runs what the GPU compiler may reject (types, layouts, shared
-    memory): compile both kernels for a decode window (broadcast sums) of 32-value
-    formats and tl.dot windows of K-quants and mixed formats, for SM86 and SM90, without
+    memory): compile both kernels for decode windows (the row kernels) of 32-value formats
+    and UD-Q4_K_XL's mix, and tl.dot windows of K-quants and mixed formats, for SM86 and SM90, without
     a GPU. In a fresh process, since the compiler cannot run where the interpreter is
     chosen."""
     code = ("import torch; from test_moe_triton_quant import COMPILED, compile_offline\n"

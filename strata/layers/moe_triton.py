@@ -41,7 +41,11 @@ and offset) and triton_quant's `_accumulate` adds scale * (x . q) + offset * sum
 the program's gathered rows (their pointers, a row stride of 0), by tl.dot for windows
 of more than REDUCE_TOKENS tokens and a broadcast sum below. The gate's and the up's
 groups are walked in turn (they may differ in format); the epilogues (silu(g) * u into
-h, the weighted rows into out) are the dense kernels' own. A group never spans two
+h, the weighted rows into out) are the dense kernels' own. Windows of up to ROW_TOKENS
+tokens (decode) take `_gate_up_q_rows` and `_down_q_rows` instead: a program owns ROW_BLOCK
+rows of one expert and, pair by pair, walks their blocks whole (triton_quant's
+`_decode_block`, as its `_gemv_rows`), one warp a program — 5x faster at one token on the
+H200 (benchmarks/README.md). A group never spans two
 blocks, so the inner dimensions must be whole blocks: H (and I, for down) a multiple of
 256 for the K-quants, of 32 for Q8_0 and Q4_x.
 
@@ -60,7 +64,8 @@ import triton
 import triton.language as tl
 
 from strata.quant.formats import FORMATS
-from strata.quant.triton_quant import (GROUPS, _accumulate, _decode_group, check_blocks,
+from strata.quant.triton_quant import (GROUPS, ROW_BLOCK, ROW_TOKENS, RUNS, _accumulate,
+                                       _decode_block, _decode_group, check_blocks,
                                        gemv_constants)
 
 MAX_TOKENS = 32   # the largest window
@@ -250,6 +255,67 @@ def _down_q(h_ptr, down_ptr, weights_ptr, out_ptr,    # [T*k, I], [E, H, bytes] 
                        USE_DOT, DOT_FP32)
         _store_weighted(acc, out_ptr, weights_ptr, order_ptr, start, slot, slot_ok, cols,
                         col_ok, stride_ot)
+
+
+@triton.jit
+def _row_dot(acc, blocks_ptr, row_start, x_row, num_blocks, FORMAT: tl.constexpr,
+             R: tl.constexpr, C: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    """acc [ROWS] + the rows starting at byte offsets `row_start` [ROWS] (blocks of
+    FORMAT, walked whole: triton_quant's _decode_block) times the token row at x_row."""
+    values = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]      # [R, C]
+    for b in range(0, num_blocks):
+        q, scale, offset = _decode_block(blocks_ptr, row_start + b * BLOCK_BYTES, FORMAT, R, C)
+        x = tl.load(x_row + b * (R * C) + values).to(tl.float32)
+        dots = tl.sum(q * x[None, :, :], axis=2)                          # [ROWS, R]
+        acc += tl.sum(scale * dots + offset * tl.sum(x, axis=1)[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _gate_up_q_rows(x_ptr, gate_ptr, up_ptr, h_ptr,   # [T, H], [E, I, bytes] u8 x2, [T*k, I]
+                    listed_ptr, counts_ptr, starts_ptr, order_ptr,
+                    top_k, inter, gate_blocks, up_blocks,
+                    stride_xt, stride_ge, stride_gi, stride_ue, stride_ui, stride_ht,
+                    GATE_FORMAT: tl.constexpr, GATE_R: tl.constexpr, GATE_C: tl.constexpr,
+                    GATE_BYTES: tl.constexpr, UP_FORMAT: tl.constexpr, UP_R: tl.constexpr,
+                    UP_C: tl.constexpr, UP_BYTES: tl.constexpr, ROWS: tl.constexpr):
+    """A window of a few tokens: ROWS rows of I of one expert, each pair in turn, the
+    blocks walked whole (the pairs of one expert re-read its rows: from L2)."""
+    expert, count, start, rows, row_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr,
+                                                       inter, ROWS)
+    safe = tl.where(row_ok, rows, 0).to(tl.int64)
+    gate = expert.to(tl.int64) * stride_ge + safe * stride_gi
+    up = expert.to(tl.int64) * stride_ue + safe * stride_ui
+    dtype = h_ptr.dtype.element_ty
+    for s in range(0, count):
+        pair = tl.load(order_ptr + start + s)
+        x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
+        zero = tl.zeros([ROWS], dtype=tl.float32)
+        g = _rounded(_row_dot(zero, gate_ptr, gate, x_row, gate_blocks, GATE_FORMAT, GATE_R,
+                              GATE_C, GATE_BYTES), dtype)
+        u = _rounded(_row_dot(zero, up_ptr, up, x_row, up_blocks, UP_FORMAT, UP_R, UP_C,
+                              UP_BYTES), dtype)
+        act = _rounded(g / (1.0 + tl.exp(-g)), dtype)                  # as _store_act
+        tl.store(h_ptr + (start + s).to(tl.int64) * stride_ht + rows,
+                 _rounded(act * u, dtype).to(dtype), mask=row_ok)
+
+
+@triton.jit
+def _down_q_rows(h_ptr, down_ptr, weights_ptr, out_ptr,  # [T*k, I], [E, H, bytes] u8, ...
+                 listed_ptr, counts_ptr, starts_ptr, order_ptr,
+                 hidden, down_blocks, stride_ht, stride_de, stride_dh, stride_ot,
+                 FORMAT: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
+                 BLOCK_BYTES: tl.constexpr, ROWS: tl.constexpr):
+    expert, count, start, rows, row_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr,
+                                                       hidden, ROWS)
+    down = expert.to(tl.int64) * stride_de + tl.where(row_ok, rows, 0).to(tl.int64) * stride_dh
+    for s in range(0, count):
+        pair = tl.load(order_ptr + start + s)
+        acc = _row_dot(tl.zeros([ROWS], dtype=tl.float32), down_ptr, down,
+                       h_ptr + (start + s).to(tl.int64) * stride_ht, down_blocks, FORMAT, R,
+                       C, BLOCK_BYTES)
+        weight = tl.load(weights_ptr + pair).to(tl.float32)
+        tl.store(out_ptr + pair.to(tl.int64) * stride_ot + rows, acc * weight, mask=row_ok)
 
 
 def kernel_constants(tokens: int, hidden: int, inter: int, dtype: torch.dtype,
@@ -462,6 +528,17 @@ def quantized_constants(tokens: int, dtype: torch.dtype, qtypes: tuple[str, str,
     return gate_up, down, dict(num_warps=NUM_WARPS, num_stages=QUANT_STAGES)
 
 
+def row_constants(qtypes: tuple[str, str, str]) -> tuple[dict, dict]:
+    """(_gate_up_q_rows' constexprs, _down_q_rows') for gate, up and down of `qtypes`."""
+    def of(qtype: str) -> tuple[str, int, int, int]:
+        return (qtype, *RUNS[qtype], FORMATS[qtype].block_bytes)
+
+    gate, up, down = map(of, qtypes)
+    return (dict(zip(("GATE_FORMAT", "GATE_R", "GATE_C", "GATE_BYTES"), gate))
+            | dict(zip(("UP_FORMAT", "UP_R", "UP_C", "UP_BYTES"), up)) | dict(ROWS=ROW_BLOCK),
+            dict(zip(("FORMAT", "R", "C", "BLOCK_BYTES"), down)) | dict(ROWS=ROW_BLOCK))
+
+
 def _quantized(name: str, weight, x: torch.Tensor) -> tuple[torch.Tensor, str, int]:
     """(blocks, qtype, values per row) of one projection's pair, or a ValueError."""
     if not (isinstance(weight, (tuple, list)) and len(weight) == 2
@@ -519,6 +596,19 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: tor
     counts, starts, order, listed = _route(experts, num_experts)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    if tokens <= ROW_TOKENS:  # decode: each expert's rows walked block by block
+        gate_up_rows, down_rows = row_constants((gate_qtype, up_qtype, down_qtype))
+        _gate_up_q_rows[(listed.shape[0], triton.cdiv(inter, ROW_BLOCK))](
+            x, gate_blocks, up_blocks, h, listed, counts, starts, order, top_k, inter,
+            hidden // FORMATS[gate_qtype].block_values, hidden // FORMATS[up_qtype].block_values,
+            x.stride(0), gate_blocks.stride(0), gate_blocks.stride(1), up_blocks.stride(0),
+            up_blocks.stride(1), h.stride(0), **gate_up_rows, num_warps=1)
+        _down_q_rows[(listed.shape[0], triton.cdiv(hidden, ROW_BLOCK))](
+            h, down_blocks, weights.reshape(-1).contiguous(), out, listed, counts, starts,
+            order, hidden, inter // FORMATS[down_qtype].block_values, h.stride(0),
+            down_blocks.stride(0), down_blocks.stride(1), out.stride(0), **down_rows,
+            num_warps=1)
+        return _combined(out, tokens, top_k, x.dtype)
     gate_up_constants, down_constants, launch = quantized_constants(
         tokens, x.dtype, (gate_qtype, up_qtype, down_qtype), hidden, inter, x.device.type)
     _gate_up_q[(listed.shape[0], triton.cdiv(inter, gate_up_constants["BLOCK_N"]))](
