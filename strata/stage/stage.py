@@ -20,9 +20,9 @@ from strata.errors import StrataError
 from strata.kvcache.cache import Cache, PagedKVCache, SlotStateCache, allocate
 from strata.kvcache.spec import CacheSize
 from strata.layers.forward_meta import ForwardMeta
-from strata.layers.state_meta import StateMeta
 from strata.layers.fused import enable_compile
 from strata.layers.linear import LinearFactory, WeightFormat
+from strata.layers.state_meta import StateMeta
 from strata.layers.rotary import RotaryEmbedding
 from strata.models.registry import Architecture, get_architecture
 from strata.quant import triton_available
