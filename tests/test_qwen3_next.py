@@ -529,7 +529,8 @@ def test_an_mtp_layer_reads_from_nextn_blocks_or_a_separate_mtp_gguf(tmp_path, c
            "has no MTP layer \\(no qwen3next.nextn_predict_layers\\)":
                dict(model=paths["without"], mtp_model=paths["without"]),
            "no such file": dict(model=paths["without"], mtp_model=tmp_path / "nothing.gguf"),
-           "a Hugging Face folder carries its own": dict(model=folder, mtp_model=paths["mtp"])}
+           "a Hugging Face folder or a random: model carries its own":
+               dict(model=folder, mtp_model=paths["mtp"])}
     for message, settings in bad.items():
         with pytest.raises(StrataError, match=message):
             Engine(EngineConfig(**{k: str(v) if k != "spec_type" and isinstance(v, Path) else v

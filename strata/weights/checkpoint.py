@@ -51,7 +51,8 @@ def open_checkpoint(path: str | Path | None, mtp: str | Path | None = None) -> C
     path = default_model_path() if path is None else path if random else Path(path)
     if mtp is not None and (random or Path(path).is_dir()):
         raise StrataError("--mtp-model is for a GGUF --model without its MTP layer; a Hugging "
-                          "Face folder carries its own (mtp.*): leave --mtp-model out")
+                          "Face folder or a random: model carries its own, if any (mtp.*): "
+                          "leave --mtp-model out")
     if random:
         from strata.weights.random_checkpoint import RandomCheckpoint
         return RandomCheckpoint(path.removeprefix("random:"))
