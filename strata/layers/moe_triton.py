@@ -64,9 +64,9 @@ import triton
 import triton.language as tl
 
 from strata.quant.formats import FORMATS
-from strata.quant.triton_quant import (GROUPS, ROW_BLOCK, ROW_TOKENS, RUNS, _accumulate,
-                                       _decode_block, _decode_group, check_blocks,
-                                       gemv_constants)
+from strata.quant.triton_quant import (GROUPS, ROW_BLOCK, ROW_TOKENS, _accumulate,
+                                       _block_dot, _decode_block, _decode_group, _runs,
+                                       block_constants, check_blocks, gemv_constants)
 
 MAX_TOKENS = 32   # the largest window
 MAX_TOP_K = 10
@@ -259,15 +259,16 @@ def _down_q(h_ptr, down_ptr, weights_ptr, out_ptr,    # [T*k, I], [E, H, bytes] 
 
 @triton.jit
 def _row_dot(acc, blocks_ptr, row_start, x_row, num_blocks, FORMAT: tl.constexpr,
-             R: tl.constexpr, C: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+             G: tl.constexpr, C: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+             BLOCK_VALUES: tl.constexpr):
     """acc [ROWS] + the rows starting at byte offsets `row_start` [ROWS] (blocks of
     FORMAT, walked whole: triton_quant's _decode_block) times the token row at x_row."""
-    values = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]      # [R, C]
+    first, second = _runs(FORMAT, G)
     for b in range(0, num_blocks):
-        q, scale, offset = _decode_block(blocks_ptr, row_start + b * BLOCK_BYTES, FORMAT, R, C)
-        x = tl.load(x_row + b * (R * C) + values).to(tl.float32)
-        dots = tl.sum(q * x[None, :, :], axis=2)                          # [ROWS, R]
-        acc += tl.sum(scale * dots + offset * tl.sum(x, axis=1)[None, :], axis=1)
+        q_a, s_a, o_a, q_b, s_b, o_b = _decode_block(blocks_ptr, row_start + b * BLOCK_BYTES,
+                                                     FORMAT, G, C)
+        acc += _block_dot(q_a, s_a, o_a, q_b, s_b, o_b, x_row + b * BLOCK_VALUES, first,
+                          second, C)
     return acc
 
 
@@ -276,9 +277,10 @@ def _gate_up_q_rows(x_ptr, gate_ptr, up_ptr, h_ptr,   # [T, H], [E, I, bytes] u8
                     listed_ptr, counts_ptr, starts_ptr, order_ptr,
                     top_k, inter, gate_blocks, up_blocks,
                     stride_xt, stride_ge, stride_gi, stride_ue, stride_ui, stride_ht,
-                    GATE_FORMAT: tl.constexpr, GATE_R: tl.constexpr, GATE_C: tl.constexpr,
-                    GATE_BYTES: tl.constexpr, UP_FORMAT: tl.constexpr, UP_R: tl.constexpr,
-                    UP_C: tl.constexpr, UP_BYTES: tl.constexpr, ROWS: tl.constexpr):
+                    GATE_FORMAT: tl.constexpr, GATE_G: tl.constexpr, GATE_C: tl.constexpr,
+                    GATE_BYTES: tl.constexpr, GATE_VALUES: tl.constexpr,
+                    UP_FORMAT: tl.constexpr, UP_G: tl.constexpr, UP_C: tl.constexpr,
+                    UP_BYTES: tl.constexpr, UP_VALUES: tl.constexpr, ROWS: tl.constexpr):
     """A window of a few tokens: ROWS rows of I of one expert, each pair in turn, the
     blocks walked whole (the pairs of one expert re-read its rows: from L2)."""
     expert, count, start, rows, row_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr,
@@ -291,10 +293,10 @@ def _gate_up_q_rows(x_ptr, gate_ptr, up_ptr, h_ptr,   # [T, H], [E, I, bytes] u8
         pair = tl.load(order_ptr + start + s)
         x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
         zero = tl.zeros([ROWS], dtype=tl.float32)
-        g = _rounded(_row_dot(zero, gate_ptr, gate, x_row, gate_blocks, GATE_FORMAT, GATE_R,
-                              GATE_C, GATE_BYTES), dtype)
-        u = _rounded(_row_dot(zero, up_ptr, up, x_row, up_blocks, UP_FORMAT, UP_R, UP_C,
-                              UP_BYTES), dtype)
+        g = _rounded(_row_dot(zero, gate_ptr, gate, x_row, gate_blocks, GATE_FORMAT, GATE_G,
+                              GATE_C, GATE_BYTES, GATE_VALUES), dtype)
+        u = _rounded(_row_dot(zero, up_ptr, up, x_row, up_blocks, UP_FORMAT, UP_G, UP_C,
+                              UP_BYTES, UP_VALUES), dtype)
         act = _rounded(g / (1.0 + tl.exp(-g)), dtype)                  # as _store_act
         tl.store(h_ptr + (start + s).to(tl.int64) * stride_ht + rows,
                  _rounded(act * u, dtype).to(dtype), mask=row_ok)
@@ -304,16 +306,16 @@ def _gate_up_q_rows(x_ptr, gate_ptr, up_ptr, h_ptr,   # [T, H], [E, I, bytes] u8
 def _down_q_rows(h_ptr, down_ptr, weights_ptr, out_ptr,  # [T*k, I], [E, H, bytes] u8, ...
                  listed_ptr, counts_ptr, starts_ptr, order_ptr,
                  hidden, down_blocks, stride_ht, stride_de, stride_dh, stride_ot,
-                 FORMAT: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
-                 BLOCK_BYTES: tl.constexpr, ROWS: tl.constexpr):
+                 FORMAT: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
+                 BLOCK_BYTES: tl.constexpr, BLOCK_VALUES: tl.constexpr, ROWS: tl.constexpr):
     expert, count, start, rows, row_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr,
                                                        hidden, ROWS)
     down = expert.to(tl.int64) * stride_de + tl.where(row_ok, rows, 0).to(tl.int64) * stride_dh
     for s in range(0, count):
         pair = tl.load(order_ptr + start + s)
         acc = _row_dot(tl.zeros([ROWS], dtype=tl.float32), down_ptr, down,
-                       h_ptr + (start + s).to(tl.int64) * stride_ht, down_blocks, FORMAT, R,
-                       C, BLOCK_BYTES)
+                       h_ptr + (start + s).to(tl.int64) * stride_ht, down_blocks, FORMAT, G,
+                       C, BLOCK_BYTES, BLOCK_VALUES)
         weight = tl.load(weights_ptr + pair).to(tl.float32)
         tl.store(out_ptr + pair.to(tl.int64) * stride_ot + rows, acc * weight, mask=row_ok)
 
@@ -530,13 +532,11 @@ def quantized_constants(tokens: int, dtype: torch.dtype, qtypes: tuple[str, str,
 
 def row_constants(qtypes: tuple[str, str, str]) -> tuple[dict, dict]:
     """(_gate_up_q_rows' constexprs, _down_q_rows') for gate, up and down of `qtypes`."""
-    def of(qtype: str) -> tuple[str, int, int, int]:
-        return (qtype, *RUNS[qtype], FORMATS[qtype].block_bytes)
-
-    gate, up, down = map(of, qtypes)
-    return (dict(zip(("GATE_FORMAT", "GATE_R", "GATE_C", "GATE_BYTES"), gate))
-            | dict(zip(("UP_FORMAT", "UP_R", "UP_C", "UP_BYTES"), up)) | dict(ROWS=ROW_BLOCK),
-            dict(zip(("FORMAT", "R", "C", "BLOCK_BYTES"), down)) | dict(ROWS=ROW_BLOCK))
+    gate, up, down = map(block_constants, qtypes)
+    names = dict(FORMAT="FORMAT", G="G", C="C", BLOCK_BYTES="BYTES", BLOCK_VALUES="VALUES")
+    gate_up = {f"{side}_{names[k]}": v for side, constants in (("GATE", gate), ("UP", up))
+               for k, v in constants.items()}
+    return gate_up | dict(ROWS=ROW_BLOCK), down | dict(ROWS=ROW_BLOCK)
 
 
 def _quantized(name: str, weight, x: torch.Tensor) -> tuple[torch.Tensor, str, int]:

@@ -17,8 +17,9 @@ scale and offset apply to the per-row sums: sum_k x_k (s q_k + o) = s (x . q) + 
 
 `gemv`, windows of up to ROW_TOKENS tokens (decode, short verify runs): `_gemv_rows`,
 program (i, j) owns ROW_BLOCK rows and walks split j of their blocks whole — a block's
-quants as one [ROW_BLOCK, runs, values per run] tile (RUNS: a Q4_K block is 8 runs of 32,
-one per sub-block, each byte read for its low and its high nibble), its scales once —
+groups all at once, as two [ROW_BLOCK, groups, C] tiles of quants (a Q4_K block: 4 groups,
+32 nibble bytes each, the low nibbles sub-blocks 0, 2, 4, 6, the high ones 1, 3, 5, 7),
+its scales once —
 multiplying on the CUDA cores, one warp a program. Windows of more: `_gemv`, program
 (i, j) owns output rows i*BLOCK_N.. (a row tile) for all the window's tokens (padded to
 a power of two, T_PAD) and walks split j of the rows' groups, so the weights are read
@@ -52,13 +53,11 @@ MAX_SPLITS = 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # _gemv_rows (windows of up to ROW_TOKENS tokens): a program owns ROW_BLOCK rows and walks
-# their blocks whole; per format (runs per block, values per run).
+# their blocks whole, each block as its groups (GROUPS below) all at once.
 ROW_TOKENS = 4
 ROW_BLOCK = 4
 ROW_PROGRAMS = 2048   # ... splitting the blocks of a row until about this many programs
 MIN_SPLIT_BLOCKS = 2
-RUNS = {"Q8_0": (1, 32), "Q4_0": (2, 16), "Q4_1": (2, 16), "Q4_K": (8, 32), "Q5_K": (8, 32),
-        "Q6_K": (16, 16)}
 
 # Per format: (values per group, C = quants per run).
 GROUPS = {"Q8_0": (32, 16), "Q4_0": (32, 16), "Q4_1": (32, 16),
@@ -262,82 +261,130 @@ def _dequantize(blocks_ptr, out_ptr,                # [N, row bytes] uint8, [N, 
 
 
 @triton.jit
-def _decode_block(blocks_ptr, base, FORMAT: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
-    """Block `base` [ROWS] (byte offsets, int64) of each row: its quants q [ROWS, R, C]
-    (fp32 integers; value r*C + j of the block is scale[:, r] * q[:, r, j] + offset[:, r])
-    and the per-run scale and offset [ROWS, R]."""
-    r = tl.arange(0, R)[None, :, None]
+def _decode_block(blocks_ptr, base, FORMAT: tl.constexpr, G: tl.constexpr, C: tl.constexpr):
+    """Block `base` [ROWS] (byte offsets, int64) of each row, as its G groups' two runs:
+    (q_a, s_a, o_a, q_b, s_b, o_b), the quants q [ROWS, G, C] (fp32 integers) and the
+    per-run scale and offset [ROWS, G]. Run a of group h holds the block's values
+    _runs(h) + j, run b those `second` further (`_runs`); value = s * q + o. Each quant byte
+    is loaded once (a nibble byte feeds both runs)."""
+    h = tl.arange(0, G)[None, :, None]
     j = tl.arange(0, C)[None, None, :]
     at = base[:, None, None]
-    rs = tl.arange(0, R)[None, :]
-    if FORMAT == "Q8_0":  # d f16, 32 x int8
-        q = tl.load(blocks_ptr + at + 2 + j).to(tl.int8, bitcast=True).to(tl.float32)
-        scale = _f16(blocks_ptr + base, base >= 0)[:, None] + tl.zeros([1, R], tl.float32)
-        offset = tl.zeros_like(scale)
-    elif FORMAT == "Q4_0" or FORMAT == "Q4_1":  # d f16, [m f16,] 16 bytes: j | j + 16
-        first = 2 if FORMAT == "Q4_0" else 4
-        q = (tl.load(blocks_ptr + at + first + j).to(tl.int32) >> (4 * r)) & 15
-        scale = _f16(blocks_ptr + base, base >= 0)[:, None] + tl.zeros([1, R], tl.float32)
+    hs = tl.arange(0, G)[None, :]
+    if FORMAT == "Q8_0":  # d f16, 32 x int8: values j | 16 + j
+        q_a = tl.load(blocks_ptr + at + 2 + j).to(tl.int8, bitcast=True).to(tl.float32)
+        q_b = tl.load(blocks_ptr + at + 18 + j).to(tl.int8, bitcast=True).to(tl.float32)
+        s_a = _f16(blocks_ptr + base, base >= 0)[:, None] + tl.zeros([1, G], tl.float32)
+        s_b = s_a
+        o_a = tl.zeros_like(s_a)
+        o_b = o_a
+    elif FORMAT == "Q4_0" or FORMAT == "Q4_1":  # d f16, [m f16,] 16 bytes: j | 16 + j
+        byte = tl.load(blocks_ptr + at + (2 if FORMAT == "Q4_0" else 4) + j).to(tl.int32)
+        zero = 8 if FORMAT == "Q4_0" else 0
+        q_a = ((byte & 15) - zero).to(tl.float32)
+        q_b = ((byte >> 4) - zero).to(tl.float32)
+        s_a = _f16(blocks_ptr + base, base >= 0)[:, None] + tl.zeros([1, G], tl.float32)
+        s_b = s_a
         if FORMAT == "Q4_0":
-            q = q - 8
-            offset = tl.zeros_like(scale)
+            o_a = tl.zeros_like(s_a)
         else:
-            offset = _f16(blocks_ptr + base + 2, base >= 0)[:, None] + tl.zeros([1, R],
-                                                                                tl.float32)
-        q = q.to(tl.float32)
-    elif FORMAT == "Q4_K" or FORMAT == "Q5_K":  # run r = sub-block r (32 values)
-        quants = 16 if FORMAT == "Q4_K" else 48
-        q = (tl.load(blocks_ptr + at + quants + (r // 2) * 32 + j).to(tl.int32)
-             >> (4 * (r % 2))) & 15
-        if FORMAT == "Q5_K":  # bit r of byte 16 + j: the fifth bit of value j of run r
-            q = q | (((tl.load(blocks_ptr + at + 16 + j).to(tl.int32) >> r) & 1) << 4)
-        q = q.to(tl.float32)
-        i = rs % 4
-        sp = blocks_ptr + base[:, None] + 4
-        a = tl.load(sp + i).to(tl.int32)
-        b = tl.load(sp + 4 + i).to(tl.int32)
-        c = tl.load(sp + 8 + i).to(tl.int32)
-        sc = tl.where(rs < 4, a & 63, (c & 15) | ((a >> 6) << 4)).to(tl.float32)
-        mn = tl.where(rs < 4, b & 63, (c >> 4) | ((b >> 6) << 4)).to(tl.float32)
-        scale = _f16(blocks_ptr + base, base >= 0)[:, None] * sc
-        offset = -_f16(blocks_ptr + base + 2, base >= 0)[:, None] * mn
-    else:  # Q6_K, run r = values 16r..16r+15 (see _decode_group for the bytes)
-        v = r * 16 + j
-        w = v % 128
-        half = v // 128
-        low = tl.load(blocks_ptr + at + half * 64 + w % 64).to(tl.int32) >> (4 * (w // 64))
-        top = tl.load(blocks_ptr + at + 128 + half * 32 + w % 32).to(tl.int32) >> (
-            2 * ((w % 64) // 32) + 4 * (w // 64))
-        q = (((low & 15) | ((top & 3) << 4)) - 32).to(tl.float32)
-        sc = tl.load(blocks_ptr + base[:, None] + 192 + rs).to(tl.int8, bitcast=True)
-        scale = _f16(blocks_ptr + base + 208, base >= 0)[:, None] * sc.to(tl.float32)
-        offset = tl.zeros_like(scale)
-    return q, scale, offset
+            o_a = _f16(blocks_ptr + base + 2, base >= 0)[:, None] + tl.zeros([1, G],
+                                                                             tl.float32)
+        o_b = o_a
+    elif FORMAT == "Q4_K" or FORMAT == "Q5_K":  # byte 32h + j: sub-blocks 2h | 2h + 1
+        byte = tl.load(blocks_ptr + at + (16 if FORMAT == "Q4_K" else 48) + h * 32
+                       + j).to(tl.int32)
+        lo = byte & 15
+        hi = byte >> 4
+        if FORMAT == "Q5_K":  # bit b of byte 16 + j: the fifth bit of value j, sub-block b
+            qh = tl.load(blocks_ptr + at + 16 + j).to(tl.int32)
+            lo = lo | (((qh >> (2 * h)) & 1) << 4)
+            hi = hi | (((qh >> (2 * h + 1)) & 1) << 4)
+        q_a = lo.to(tl.float32)
+        q_b = hi.to(tl.float32)
+        d = _f16(blocks_ptr + base, base >= 0)[:, None]
+        dmin = _f16(blocks_ptr + base + 2, base >= 0)[:, None]
+        sc_a, mn_a = _k_scales(blocks_ptr + base[:, None] + 4, 2 * hs)
+        sc_b, mn_b = _k_scales(blocks_ptr + base[:, None] + 4, 2 * hs + 1)
+        s_a = d * sc_a
+        s_b = d * sc_b
+        o_a = -(dmin * mn_a)
+        o_b = -(dmin * mn_b)
+    else:  # Q6_K (see _decode_group): group h = 16 low-nibble bytes of half h // 4
+        half = h // 4
+        b0 = (h % 4) * 16
+        ql = tl.load(blocks_ptr + at + half * 64 + b0 + j).to(tl.int32)
+        qh = tl.load(blocks_ptr + at + 128 + half * 32 + b0 % 32 + j).to(tl.int32)
+        q_a = (((ql & 15) | (((qh >> (2 * (b0 // 32))) & 3) << 4)) - 32).to(tl.float32)
+        q_b = (((ql >> 4) | (((qh >> (2 * (2 + b0 // 32))) & 3) << 4)) - 32).to(tl.float32)
+        first = (hs // 4) * 128 + (hs % 4) * 16
+        d = _f16(blocks_ptr + base + 208, base >= 0)[:, None]
+        sp = blocks_ptr + base[:, None] + 192
+        s_a = d * tl.load(sp + first // 16).to(tl.int8, bitcast=True).to(tl.float32)
+        s_b = d * tl.load(sp + (first + 64) // 16).to(tl.int8, bitcast=True).to(tl.float32)
+        o_a = tl.zeros_like(s_a)
+        o_b = o_a
+    return q_a, s_a, o_a, q_b, s_b, o_b
+
+
+@triton.jit
+def _k_scales(scales_ptr, sub):
+    """Q4_K/Q5_K: the 6-bit scales and mins of sub-blocks `sub` [1, G] from the 12 bytes at
+    `scales_ptr` [ROWS, 1], as fp32 [ROWS, G] (_k_scale_min's unpacking)."""
+    i = sub % 4
+    a = tl.load(scales_ptr + i).to(tl.int32)
+    b = tl.load(scales_ptr + 4 + i).to(tl.int32)
+    c = tl.load(scales_ptr + 8 + i).to(tl.int32)
+    scale = tl.where(sub < 4, a & 63, (c & 15) | ((a >> 6) << 4))
+    mn = tl.where(sub < 4, b & 63, (c >> 4) | ((b >> 6) << 4))
+    return scale.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _runs(FORMAT: tl.constexpr, G: tl.constexpr):
+    """Where group h's run a starts in its block [G], and how far run b is from it."""
+    h = tl.arange(0, G)
+    if FORMAT == "Q4_K" or FORMAT == "Q5_K":
+        return h * 64, 32
+    if FORMAT == "Q6_K":
+        return (h // 4) * 128 + (h % 4) * 16, 64
+    return h * 32, 16
+
+
+@triton.jit
+def _block_dot(q_a, s_a, o_a, q_b, s_b, o_b, x_ptr, first, second, C: tl.constexpr):
+    """A decoded block (_decode_block) times the block's values of one token, at x_ptr:
+    [ROWS] fp32."""
+    at = first[:, None] + tl.arange(0, C)[None, :]                       # [G, C]
+    x_a = tl.load(x_ptr + at).to(tl.float32)
+    x_b = tl.load(x_ptr + at + second).to(tl.float32)
+    y = (s_a * tl.sum(q_a * x_a[None, :, :], axis=2) + o_a * tl.sum(x_a, axis=1)[None, :]
+         + s_b * tl.sum(q_b * x_b[None, :, :], axis=2) + o_b * tl.sum(x_b, axis=1)[None, :])
+    return tl.sum(y, axis=1)
 
 
 # NOTE: the window's size is a constexpr here (1..ROW_TOKENS: a few variants).
 @triton.jit
 def _gemv_rows(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uint8, [S, T, N]
                num_rows, stride_xt, stride_row, num_blocks,
-               FORMAT: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
-               BLOCK_BYTES: tl.constexpr, TOKENS: tl.constexpr, T_PAD: tl.constexpr,
-               ROWS: tl.constexpr):
+               FORMAT: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
+               BLOCK_BYTES: tl.constexpr, BLOCK_VALUES: tl.constexpr, TOKENS: tl.constexpr,
+               T_PAD: tl.constexpr, ROWS: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_rows
     row_start = tl.where(row_ok, rows, 0).to(tl.int64) * stride_row
     per_split = tl.cdiv(num_blocks, tl.num_programs(1))
     lo = tl.program_id(1) * per_split
     hi = tl.minimum(num_blocks, lo + per_split)
-    values = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]      # [R, C]
+    first, second = _runs(FORMAT, G)
     t = tl.arange(0, T_PAD)
     acc = tl.zeros([T_PAD, ROWS], dtype=tl.float32)
     for b in range(lo, hi):
-        q, scale, offset = _decode_block(blocks_ptr, row_start + b * BLOCK_BYTES, FORMAT,
-                                         R, C)
+        q_a, s_a, o_a, q_b, s_b, o_b = _decode_block(blocks_ptr, row_start + b * BLOCK_BYTES,
+                                                     FORMAT, G, C)
         for token in tl.static_range(TOKENS):
-            x = tl.load(x_ptr + token * stride_xt + b * (R * C) + values).to(tl.float32)
-            dots = tl.sum(q * x[None, :, :], axis=2)                     # [ROWS, R]
-            y = tl.sum(scale * dots + offset * tl.sum(x, axis=1)[None, :], axis=1)
+            y = _block_dot(q_a, s_a, o_a, q_b, s_b, o_b,
+                           x_ptr + token * stride_xt + b * BLOCK_VALUES, first, second, C)
             acc = tl.where(t[:, None] == token, acc + y[None, :], acc)
     out = out_ptr + (tl.program_id(1) * TOKENS + t[:, None]).to(tl.int64) * num_rows \
         + rows[None, :]
@@ -434,9 +481,16 @@ def row_splits(rows: int, blocks: int) -> int:
 
 def row_constants(tokens: int, qtype: str) -> dict:
     """`_gemv_rows`' constexprs for a window of `tokens` (<= ROW_TOKENS) tokens."""
-    runs, run_values = RUNS[qtype]
-    return dict(FORMAT=qtype, R=runs, C=run_values, BLOCK_BYTES=FORMATS[qtype].block_bytes,
-                TOKENS=tokens, T_PAD=triton.next_power_of_2(tokens), ROWS=ROW_BLOCK)
+    return dict(**block_constants(qtype), TOKENS=tokens, T_PAD=triton.next_power_of_2(tokens),
+                ROWS=ROW_BLOCK)
+
+
+def block_constants(qtype: str) -> dict:
+    """A format's constexprs for walking its blocks whole (_decode_block, _gemv_rows)."""
+    fmt = FORMATS[qtype]
+    group_values, run_values = GROUPS[qtype]
+    return dict(FORMAT=qtype, G=fmt.block_values // group_values, C=run_values,
+                BLOCK_BYTES=fmt.block_bytes, BLOCK_VALUES=fmt.block_values)
 
 
 def _gemv_by_rows(x: torch.Tensor, blocks: torch.Tensor, qtype: str, rows: int,
