@@ -234,6 +234,10 @@ def test_softmax_top_k_routes_as_torch(experts, top_k, renormalise, dtype):
                                else 8e-3, atol=1e-7)
     with pytest.raises(ValueError, match="top-17 of 512 experts"):
         softmax_top_k(window(1, 512, seed=1), 17, True, dtype)
+    # what it does not take, SparseMoE routes with torch instead (route_triton.takes)
+    from strata.layers.route_triton import takes
+    assert takes(512, 10) and takes(1024, 16)
+    assert not takes(512, 17) and not takes(2048, 8) and not takes(8, 9)
 
 
 @torch.no_grad()

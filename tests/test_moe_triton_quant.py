@@ -181,7 +181,7 @@ def compile_offline(arch: int, qtypes: tuple[str, str, str], tokens: int, dtype,
     capability `arch` (no GPU needed), with the constants the launcher passes."""
     if tokens <= moe_triton.ROW_TOKENS:  # decode: the row kernels
         kernels = (moe_triton._gate_up_q_rows, moe_triton._down_q_rows)
-        gate_up, down = moe_triton.row_constants(qtypes)
+        gate_up, down = moe_triton.quantized_row_constants(qtypes)
         launch = dict(num_warps=1)
     else:
         kernels = (moe_triton._gate_up_q, moe_triton._down_q)

@@ -2,9 +2,10 @@
 
 Two routers: softmax top-k (SparseMoE, qwen3_moe; one Triton kernel on CUDA:
 route_triton.py) and DeepSeek-V3's sigmoid scores with a selection bias and group-limited
-top-k (GroupedTopKRouter, used with always-on shared experts by SharedExpertMoE). Token-expert pairs are sorted by expert so that each expert
-multiplies one contiguous slice of rows (a grouped matrix product); the loop, where there
-is one, runs over experts, never over tokens. Decode and verify windows on CUDA take the
+top-k (GroupedTopKRouter, used with always-on shared experts by SharedExpertMoE).
+Token-expert pairs are sorted by expert so that each expert multiplies one contiguous
+slice of rows (a grouped matrix product); the loop, where there is one, runs over
+experts, never over tokens. Decode and verify windows on CUDA take the
 fused kernels of moe_triton.py instead. Expert weights are dense, or (`--quantized-weights
 on`) their GGUF blocks: the fused kernels decode them as they go, the grouped product
 dequantizes each routed expert.
@@ -38,8 +39,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         logits = self.gate(x)
-        if self.router == "triton" or (self.router == "auto" and x.is_cuda
-                                       and triton_available()):
+        if self._kernel_routes(logits):
             from strata.layers.route_triton import softmax_top_k
             weights, experts = softmax_top_k(logits, self.top_k, self.norm_topk_prob, x.dtype)
             return self.experts(x, experts, weights)
@@ -48,6 +48,16 @@ class SparseMoE(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return self.experts(x, experts, weights.to(x.dtype))
+
+    def _kernel_routes(self, logits: torch.Tensor) -> bool:
+        """route_triton's kernel routes: `router` "triton", or "auto" on CUDA with triton
+        for the expert counts and top-k it takes (else torch routes)."""
+        if self.router != "auto":
+            return self.router == "triton"
+        if not (logits.is_cuda and triton_available()):
+            return False
+        from strata.layers.route_triton import takes
+        return takes(logits.shape[1], self.top_k)
 
 
 class GatedSharedMoE(SparseMoE):

@@ -99,15 +99,20 @@ def _rounded(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def _store_act(acc_g, acc_u, h_ptr, rows, slot_ok, cols, col_ok):
-    """silu(g) * u of the fp32 sums acc_g, acc_u [BLOCK_T, BLOCK_N] into h's `rows`
-    [BLOCK_T, 1] (pointers) at `cols`. The reference rounds gate, up and silu(gate) to
-    x's dtype (h's): so do we."""
-    dtype = h_ptr.dtype.element_ty
+def _act(acc_g, acc_u, dtype: tl.constexpr):
+    """silu(g) * u of the fp32 sums acc_g, acc_u, in `dtype`. The reference rounds gate,
+    up and silu(gate) to x's dtype (h's): so do we."""
     g = _rounded(acc_g, dtype)
     u = _rounded(acc_u, dtype)
     act = _rounded(g / (1.0 + tl.exp(-g)), dtype)
-    tl.store(rows + cols[None, :], _rounded(act * u, dtype).to(dtype),
+    return _rounded(act * u, dtype).to(dtype)
+
+
+@triton.jit
+def _store_act(acc_g, acc_u, h_ptr, rows, slot_ok, cols, col_ok):
+    """silu(g) * u (_act) of acc_g, acc_u [BLOCK_T, BLOCK_N] into h's `rows` [BLOCK_T, 1]
+    (pointers) at `cols`."""
+    tl.store(rows + cols[None, :], _act(acc_g, acc_u, h_ptr.dtype.element_ty),
              mask=slot_ok[:, None] & col_ok[None, :])
 
 
@@ -288,18 +293,16 @@ def _gate_up_q_rows(x_ptr, gate_ptr, up_ptr, h_ptr,   # [T, H], [E, I, bytes] u8
     safe = tl.where(row_ok, rows, 0).to(tl.int64)
     gate = expert.to(tl.int64) * stride_ge + safe * stride_gi
     up = expert.to(tl.int64) * stride_ue + safe * stride_ui
-    dtype = h_ptr.dtype.element_ty
     for s in range(0, count):
         pair = tl.load(order_ptr + start + s)
         x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
         zero = tl.zeros([ROWS], dtype=tl.float32)
-        g = _rounded(_row_dot(zero, gate_ptr, gate, x_row, gate_blocks, GATE_FORMAT, GATE_G,
-                              GATE_C, GATE_BYTES, GATE_VALUES), dtype)
-        u = _rounded(_row_dot(zero, up_ptr, up, x_row, up_blocks, UP_FORMAT, UP_G, UP_C,
-                              UP_BYTES, UP_VALUES), dtype)
-        act = _rounded(g / (1.0 + tl.exp(-g)), dtype)                  # as _store_act
+        g = _row_dot(zero, gate_ptr, gate, x_row, gate_blocks, GATE_FORMAT, GATE_G, GATE_C,
+                     GATE_BYTES, GATE_VALUES)
+        u = _row_dot(zero, up_ptr, up, x_row, up_blocks, UP_FORMAT, UP_G, UP_C, UP_BYTES,
+                     UP_VALUES)
         tl.store(h_ptr + (start + s).to(tl.int64) * stride_ht + rows,
-                 _rounded(act * u, dtype).to(dtype), mask=row_ok)
+                 _act(g, u, h_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -530,7 +533,7 @@ def quantized_constants(tokens: int, dtype: torch.dtype, qtypes: tuple[str, str,
     return gate_up, down, dict(num_warps=NUM_WARPS, num_stages=QUANT_STAGES)
 
 
-def row_constants(qtypes: tuple[str, str, str]) -> tuple[dict, dict]:
+def quantized_row_constants(qtypes: tuple[str, str, str]) -> tuple[dict, dict]:
     """(_gate_up_q_rows' constexprs, _down_q_rows') for gate, up and down of `qtypes`."""
     gate, up, down = map(block_constants, qtypes)
     names = dict(FORMAT="FORMAT", G="G", C="C", BLOCK_BYTES="BYTES", BLOCK_VALUES="VALUES")
@@ -597,7 +600,7 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: tor
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     if tokens <= ROW_TOKENS:  # decode: each expert's rows walked block by block
-        gate_up_rows, down_rows = row_constants((gate_qtype, up_qtype, down_qtype))
+        gate_up_rows, down_rows = quantized_row_constants((gate_qtype, up_qtype, down_qtype))
         _gate_up_q_rows[(listed.shape[0], triton.cdiv(inter, ROW_BLOCK))](
             x, gate_blocks, up_blocks, h, listed, counts, starts, order, top_k, inter,
             hidden // FORMATS[gate_qtype].block_values, hidden // FORMATS[up_qtype].block_values,

@@ -46,13 +46,18 @@ def _softmax_top_k(logits_ptr, weights_ptr, experts_ptr, num_experts, stride_t,
              mask=j < TOP_K)
 
 
+def takes(num_experts: int, top_k: int) -> bool:
+    """Does the kernel route top-k of this many experts?"""
+    return 1 <= top_k <= min(num_experts, MAX_TOP_K) and num_experts <= MAX_EXPERTS
+
+
 def softmax_top_k(logits: torch.Tensor, top_k: int, renormalise: bool,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (any float dtype) -> (weights [T, k] in `dtype`, experts [T, k]
     int64): softmax(logits) in float32, its k largest in descending order, divided by
     their sum if `renormalise`."""
     tokens, num_experts = logits.shape
-    if not 1 <= top_k <= min(num_experts, MAX_TOP_K) or num_experts > MAX_EXPERTS:
+    if not takes(num_experts, top_k):
         raise ValueError(f"softmax_top_k: top-{top_k} of {num_experts} experts (at most "
                          f"top-{MAX_TOP_K} of {MAX_EXPERTS})")
     if logits.stride(1) != 1:

@@ -459,14 +459,21 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     groups = values // GROUPS[qtype][0]
     splits = gemv_splits(rows, groups)
     constants, num_warps = gemv_constants(tokens, x.dtype, qtype, x.device.type)
-    out = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
+    return _split_sums(x, rows, splits, lambda partial: _gemv[(triton.cdiv(rows, BLOCK_N),
+                                                               splits)](
+        x, blocks, partial, tokens, rows, x.stride(0), blocks.stride(0), groups,
+        **constants, num_warps=num_warps, num_stages=2))
+
+
+def _split_sums(x: torch.Tensor, rows: int, splits: int, launch) -> torch.Tensor:
+    """y [T, rows] in x's dtype from `launch(partial)`, a kernel that writes y itself (one
+    split) or fp32 partials [splits, T, rows], summed here."""
+    out = torch.empty(x.shape[0], rows, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    partial = out if splits == 1 else torch.empty(splits, tokens, rows, dtype=torch.float32,
-                                                  device=x.device)
-    _gemv[(triton.cdiv(rows, BLOCK_N), splits)](
-        x, blocks, partial, tokens, rows, x.stride(0), blocks.stride(0), groups,
-        **constants, num_warps=num_warps, num_stages=2)
+    partial = out if splits == 1 else torch.empty(splits, x.shape[0], rows,
+                                                  dtype=torch.float32, device=x.device)
+    launch(partial)
     if splits > 1:
         out.copy_(partial.sum(dim=0))
     return out
@@ -495,20 +502,12 @@ def block_constants(qtype: str) -> dict:
 
 def _gemv_by_rows(x: torch.Tensor, blocks: torch.Tensor, qtype: str, rows: int,
                   values: int) -> torch.Tensor:
-    tokens = x.shape[0]
-    fmt = FORMATS[qtype]
-    splits = row_splits(rows, values // fmt.block_values)
-    out = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
-    if rows == 0:
-        return out
-    partial = out if splits == 1 else torch.empty(splits, tokens, rows, dtype=torch.float32,
-                                                  device=x.device)
-    _gemv_rows[(triton.cdiv(rows, ROW_BLOCK), splits)](
-        x, blocks, partial, rows, x.stride(0), blocks.stride(0), values // fmt.block_values,
-        **row_constants(tokens, qtype), num_warps=1)
-    if splits > 1:
-        out.copy_(partial.sum(dim=0))
-    return out
+    num_blocks = values // FORMATS[qtype].block_values
+    splits = row_splits(rows, num_blocks)
+    return _split_sums(x, rows, splits, lambda partial: _gemv_rows[(
+        triton.cdiv(rows, ROW_BLOCK), splits)](
+        x, blocks, partial, rows, x.stride(0), blocks.stride(0), num_blocks,
+        **row_constants(x.shape[0], qtype), num_warps=1))
 
 
 def dequantize(blocks: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:

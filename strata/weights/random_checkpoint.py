@@ -32,7 +32,6 @@ _SCALES = {"Q8_0": (2.7e-4, None), "Q4_0": (4.3e-3, None), "Q4_1": (4.3e-3, -7.5
            "Q4_K": (1.0e-4, 7.5), "Q5_K": (5.0e-5, 15.5), "Q6_K": (1.5e-5, None)}
 
 
-
 def _qwen3_next(layers: int) -> dict:
     """Qwen3-Next-80B-A3B's config with `layers` layers (a multiple of 4): three Gated
     DeltaNet layers before each gated attention layer, 512 experts top-10 with a gated
