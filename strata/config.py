@@ -127,8 +127,14 @@ class EngineConfig:
         "drafting is also charged what the engine's recent steps show a drafted entry and "
         "a drafted token cost (host and device time, in the tokens the engine would have "
         "made meanwhile), added to those (slower than fixed on the H200 so far: "
-        "docs/SPECULATIVE.md)",
-        choices=("fixed", "measured")))
+        "docs/SPECULATIVE.md); load: a draft costs what its tokens add to the busiest "
+        "stage's time when every stage is busy, or to its own group's trip through the "
+        "stages when they wait on each other, in the tokens the engine makes meanwhile "
+        "(the stages' costs from --profile, else measured per window; docs/BATCHING.md)",
+        choices=("fixed", "measured", "load")))
+    profile: str | None = field(default=None, metadata=_opt(
+        "a profile written by `strata calibrate`: its settings become the defaults (flags "
+        "given still win) and its stage costs price drafts under --spec-pricing load"))
     simulate_acceptance: float | None = field(default=None, metadata=_opt(
         "speed studies only: every slot drafts --spec tokens every window and accepts each "
         "with this probability (the text is meaningless; everything is labelled simulated)"))

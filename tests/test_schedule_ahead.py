@@ -240,7 +240,7 @@ def test_a_slot_sits_out_to_draft_only_for_what_follows_the_guess():
     asked = []
 
     class Recording(DraftPolicy):
-        def draft(self, request, room, window_cost=0.0, known=0):
+        def draft(self, request, room, window_cost=0.0, known=0, window_tokens=1):
             asked.append((window_cost, known))
             return None
 

@@ -1,7 +1,8 @@
 """DraftPolicy: which proposer drafts for a slot in a window, and how many tokens.
 
 Every proposer's draft carries cumulative scores c_j (the probability that its first j
-tokens are all right). Scaled by the request's running acceptance r for that proposer,
+tokens are all right). Scaled by the request's running acceptance r for that proposer
+(its recent drafts' accepted over expected tokens),
 token j is worth r * c_j expected accepted tokens and costs `--spec-token-cost` (one
 more token in the window, as a fraction of a one-token window). The draft is cut where
 the next token is worth less than it costs, and the proposer with the larger net gain
@@ -10,30 +11,38 @@ carrying drafts at all, when windows are built ahead: it sits one out): a draft 
 gain does not exceed it is not sent. With `pricing` (`--spec-pricing measured`, pricing.py)
 drafting is also charged what the engine's steps show it costs now: a drafted entry's
 price is added to the window cost, and a token costs the larger of its measured price and
-`--spec-token-cost`. The policy also forwards each request's lifecycle to every proposer.
+`--spec-token-cost`. With `load` (`--spec-pricing load`, load_pricing.py) the price of a
+draft of L tokens is what L more tokens in this window cost the pipeline now, and the
+draft is cut at the length of largest net gain (with a fixed price per token that is where
+the next token is worth less than it costs, as above). The policy also forwards each
+request's lifecycle to every proposer.
 """
 
 from __future__ import annotations
 
 from strata.drafting.draft import Draft
+from strata.drafting.load_pricing import LoadPricing
 from strata.drafting.pricing import DraftPricing
 from strata.drafting.proposer import Proposer
 from strata.request import DraftStats, Request
 
-EMA = 0.5             # weight of the newest window in the running acceptance
+FORGET = 0.8          # weight kept by a recorded draft per newer one (running acceptance)
+PRIOR = 1.0           # expected tokens of trust the running acceptance starts with (at 1)
 MIN_RATE = 0.02       # a proposer that keeps failing stops drafting...
-RECOVERY = 0.003      # ...and is trusted a little more every window it sits out, so it
-                      # is tried again now and then (about every 5-10 windows)
+RECOVERY = 0.97       # ...and forgets its record a little every window it sits out, so
+                      # it is tried again now and then (about every 5-10 windows)
 MAX_RATE = 2.0        # scores that prove pessimistic may be trusted up to twice as much
 
 
 class DraftPolicy:
     def __init__(self, proposers: list[Proposer], token_cost: float,
-                 pricing: DraftPricing | None = None):
+                 pricing: DraftPricing | None = None, load: LoadPricing | None = None):
         self.proposers = proposers
         self.token_cost = token_cost
         self.pricing = pricing  # measured prices (None: the fixed costs alone)
-        self._acceptance: dict[tuple[str, str], float] = {}
+        self.load = load        # prices from stage costs and load (None: per-token prices)
+        # per (request, proposer): accepted and expected tokens of its drafts, decaying
+        self._acceptance: dict[tuple[str, str], tuple[float, float]] = {}
         self.stats = DraftStats()  # all requests together
 
     @property
@@ -65,13 +74,17 @@ class DraftPolicy:
 
     # -- drafting -------------------------------------------------------------------------
     def draft(self, request: Request, room: int, window_cost: float = 0.0,
-              known: int = 0) -> Draft | None:
+              known: int = 0, window_tokens: int = 1) -> Draft | None:
         """The best draft for the request's next window, at most `room` tokens (each
         proposer also keeps to its own limit), if its net gain exceeds `window_cost`.
         `known`: the draft's first tokens come anyway (a window in flight computes them:
-        the draft is a guess of its token), so only the tokens after them count as gain."""
+        the draft is a guess of its token), so only the tokens after them count as gain.
+        `window_tokens`: the tokens the window carries without this draft (load prices)."""
         if room <= 0:
             return None
+        if self.load is not None:
+            return self.draft_window([request], [room], room, window_tokens, window_cost,
+                                     known=known)[0]
         token_cost = self.token_cost
         if self.pricing is not None:
             window_cost += self.pricing.entry_cost
@@ -81,30 +94,100 @@ class DraftPolicy:
             draft = p.propose(request.request_id, room)
             if not draft or not draft.tokens:
                 continue
-            key = (request.request_id, p.name)
-            rate = self._acceptance.get(key, 1.0)
-            if rate < 1.0:
-                self._acceptance[key] = min(1.0, rate + RECOVERY)
-            length, gain = 0, 0.0
-            for score in draft.scores[:room]:
-                worth = min(1.0, rate * score)
-                if worth <= token_cost:
-                    break
-                if length >= known:
-                    gain += worth - token_cost
-                length += 1
+            rate = self._rate(request, p.name, sitting_out=True)
+            worths = [min(1.0, rate * score) for score in draft.scores[:room]]
+            length, gain = self._cut(worths, known, token_cost)
             if length > known and gain > best_gain:
                 best = Draft(draft.tokens[:length], draft.scores[:length], p.name)
                 best_gain = gain
         return best
 
+    def draft_window(self, requests: list[Request], rooms: list[int], budget: int,
+                     window_tokens: int, window_cost: float = 0.0, known: int = 0,
+                     group: int | None = None) -> list[Draft | None]:
+        """Drafts for a window's decoding slots, decided together by load pricing: each
+        slot's proposer with the most expected tokens, then the draft tokens of all the
+        slots in order of worth, as many as the pricing says the window should carry (at
+        most `budget`). A window's cost grows unevenly with its tokens, so slots priced
+        one by one would each pay for the steep start alone. A slot's draft must be
+        worth more than `window_cost`; with one slot, its first `known` tokens come
+        anyway (worth nothing, but carried). Without load pricing, each slot is decided
+        alone as `draft` does."""
+        if self.load is None:
+            drafts = []
+            for request, room in zip(requests, rooms):
+                draft = self.draft(request, min(room, budget), window_cost,
+                                   window_tokens=window_tokens)
+                drafts.append(draft)
+                if draft is not None:
+                    budget -= len(draft.tokens)
+                    window_tokens += len(draft.tokens)
+            return drafts
+        offers = [self._offer(request, room) for request, room in zip(requests, rooms)]
+        if len(offers) == 1 and offers[0] is not None:  # in its own order: `known` first
+            ranked = [(0.0 if j < known else w, 0) for j, w in enumerate(offers[0][1])]
+        else:
+            ranked = sorted(((w, i) for i, offer in enumerate(offers) if offer is not None
+                             for w in offer[1]), key=lambda t: (-t[0], t[1]))
+        ranked = ranked[:max(budget, 0)]
+        count = self.load.best_count([w for w, _ in ranked], window_tokens,
+                                     float(window_tokens), group)
+        lengths = [0] * len(offers)
+        for _, i in ranked[:count]:
+            lengths[i] += 1
+        drafts: list[Draft | None] = []
+        for offer, length in zip(offers, lengths):
+            if (offer is None or length <= known
+                    or sum(offer[1][known:length]) <= window_cost):
+                drafts.append(None)
+                continue
+            draft = offer[0]
+            drafts.append(Draft(draft.tokens[:length], draft.scores[:length], draft.proposer))
+        return drafts
+
+    def _offer(self, request: Request, room: int) -> tuple[Draft, list[float]] | None:
+        """The proposers' draft with the most expected tokens, and each token's worth."""
+        best = None
+        for p in self.proposers if room > 0 else ():
+            draft = p.propose(request.request_id, room)
+            if not draft or not draft.tokens:
+                continue
+            rate = self._rate(request, p.name, sitting_out=True)
+            worths = [min(1.0, rate * score) for score in draft.scores[:room]]
+            if best is None or sum(worths) > sum(best[1]):
+                best = (draft, worths)
+        return best
+
+    def _rate(self, request: Request, proposer: str, sitting_out: bool = False) -> float:
+        """How far the proposer's scores held for this request lately: its drafts'
+        accepted over expected tokens (recent drafts weighted most), starting from PRIOR
+        expected tokens all accepted. `sitting_out`: asked for a window (the record fades
+        a little, so that a proposer that stopped drafting is tried again)."""
+        key = (request.request_id, proposer)
+        got, expected = self._acceptance.get(key, (0.0, 0.0))
+        if sitting_out and expected:
+            self._acceptance[key] = (RECOVERY * got, RECOVERY * expected)
+        return min(max((got + PRIOR) / (expected + PRIOR), MIN_RATE), MAX_RATE)
+
+    def _cut(self, worths: list[float], known: int, token_cost: float) -> tuple[int, float]:
+        """The draft's length and net gain: each token after the first `known` is worth
+        its expected acceptance and costs `token_cost`; the draft ends before the first
+        token worth less (worths only fall, so no later length gains more)."""
+        length, gain = 0, 0.0
+        for w in worths:
+            if w <= token_cost:
+                break
+            if length >= known:
+                gain += w - token_cost
+            length += 1
+        return length, gain
+
     def record(self, request: Request, draft: Draft, accepted: int) -> None:
         """Update the request's running acceptance and its statistics."""
         key = (request.request_id, draft.proposer)
-        rate = self._acceptance.get(key, 1.0)
-        expected = sum(draft.scores) or 1.0
-        observed = min(accepted / expected, MAX_RATE)
-        self._acceptance[key] = max(MIN_RATE, (1 - EMA) * rate + EMA * observed)
+        got, expected = self._acceptance.get(key, (0.0, 0.0))
+        self._acceptance[key] = (FORGET * got + accepted,
+                                 FORGET * expected + (sum(draft.scores) or 1.0))
         request.draft_stats.record(draft.proposer, len(draft.tokens), accepted)
         self.stats.record(draft.proposer, len(draft.tokens), accepted)
 
@@ -124,7 +207,7 @@ class SimulatedPolicy(DraftPolicy):
         return self.max_tokens > 0
 
     def draft(self, request: Request, room: int, window_cost: float = 0.0,
-              known: int = 0) -> Draft | None:
+              known: int = 0, window_tokens: int = 1) -> Draft | None:
         length = min(room, self.max_tokens)
         if length <= 0:
             return None

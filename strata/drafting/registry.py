@@ -3,14 +3,18 @@ Adding a proposer touches its own file and one line here."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from strata.config import EngineConfig
+from strata.drafting.load_pricing import LoadPricing
 from strata.drafting.policy import DraftPolicy, SimulatedPolicy
 from strata.drafting.pricing import DraftPricing
 from strata.drafting.proposer import Proposer
 from strata.errors import StrataError
 from strata.models.config import ModelConfig
+
+log = logging.getLogger("strata.engine")
 
 
 def _suffix(config: EngineConfig) -> Proposer | None:
@@ -60,4 +64,29 @@ def build_policy(config: EngineConfig, model: ModelConfig) -> DraftPolicy | None
                               f"available: {', '.join(supported(model))}")
     proposers = [p for p in (PROPOSERS[name](config) for name in names) if p is not None]
     pricing = DraftPricing() if config.spec_pricing == "measured" else None
-    return DraftPolicy(proposers, config.spec_token_cost, pricing)
+    load = load_pricing(config, model) if config.spec_pricing == "load" else None
+    return DraftPolicy(proposers, config.spec_token_cost, pricing, load)
+
+
+def load_pricing(config: EngineConfig, model: ModelConfig) -> LoadPricing | None:
+    """`--spec-pricing load`: the stage costs of --profile for this split, else fitted
+    from each window's stage seconds (stage processes, or stages on the CPU in this
+    process, which run one after another: one curve). None where neither can be had
+    (stages on a GPU in this process report launch times, not compute)."""
+    pipelined = config.stage_processes
+    if config.profile is not None:
+        from strata.calibrate.profile import load_profile
+        profile = load_profile(config.profile)
+        if profile.num_layers != model.num_layers:
+            raise StrataError(f"--profile {config.profile} was measured on a model of "
+                              f"{profile.num_layers} layers, this one has {model.num_layers}; "
+                              "calibrate this model")
+        from strata.calibrate.simulate import profile_pricing, stage_curves
+        return profile_pricing(profile, stage_curves(profile, config)[0])
+    if pipelined:
+        return LoadPricing(len(config.layer_split) + 1)
+    if all(config.stage_device(i).type == "cpu" for i in range(len(config.layer_split) + 1)):
+        return LoadPricing(1)
+    log.info("--spec-pricing load without --profile cannot time stages on a GPU in this "
+             "process: drafts keep --spec-token-cost (run strata calibrate)")
+    return None

@@ -90,6 +90,7 @@ class Engine:
         self.draft_stats = drafts.stats if drafts is not None else DraftStats()  # all requests
         pricing = drafts.pricing if drafts is not None else None
         self.meter = StepMeter(pricing) if pricing is not None else None  # feeds it
+        self.load = drafts.load if drafts is not None else None  # --spec-pricing load
         if config.stage_processes:
             from strata.pipeline.runner import PipelineRunner
             runner = PipelineRunner
@@ -104,6 +105,8 @@ class Engine:
         self._cpu_stages = [] if config.stage_processes else [
             i for i in range(self.runner.num_stages) if config.stage_device(i).type == "cpu"]
         self._launching = 0.0         # seconds launching windows since the last commit
+        self.windows = 0              # windows committed
+        self.observers: list = []     # called with (window, result) of each commit
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
@@ -153,6 +156,8 @@ class Engine:
             self._launching = 0.0
         if self.meter is not None:
             self.meter.launched(window, start, idle)
+        if idle and self.load is not None:
+            self.load.resume(start)
         self.runner.submit(window)
 
     @torch.inference_mode()
@@ -168,8 +173,16 @@ class Engine:
         commit = time.perf_counter()
         for stage, seconds in enumerate(result.stage_seconds):
             self.stage_seconds[stage] += seconds
+        self.windows += 1
+        for observe in self.observers:
+            observe(window, result)
         if self.meter is not None:
             self.meter.committed(window, result.tokens, commit)
+        if self.load is not None:
+            seconds = result.stage_seconds
+            self.load.observe(window.header.group, window.header.num_tokens,
+                              seconds if self.config.stage_processes else [sum(seconds)],
+                              sum(len(t) for t in result.tokens), commit)
         computing = sum(result.stage_seconds[i] for i in self._cpu_stages)
         self.stalls.committed(commit, self._launching - computing, commit - collect + computing)
         self._launching = 0.0

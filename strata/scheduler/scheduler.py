@@ -128,6 +128,7 @@ class Scheduler:
     def schedule(self) -> Window | None:
         """The next window of an idle group with work (round robin), or None. The group
         stays in flight until its window is committed."""
+        self._price_load()
         for i in range(self.num_groups):
             group = (self._next_group + i) % self.num_groups
             if group in self.in_flight:
@@ -146,11 +147,21 @@ class Scheduler:
         where no group has exactly one window in flight with a slot to carry on from."""
         if not self.ahead:
             return None
+        self._price_load()
         for group, count in self.in_flight.items():
             if count == 1 and (window := self._schedule_ahead(group)) is not None:
                 self._launched(window)
                 return window
         return None
+
+    def _price_load(self) -> None:
+        """Tell load pricing how many groups have work: the requests in slots, and those
+        waiting for a free one."""
+        load = self.drafts.load if self.drafts is not None else None
+        if load is not None:
+            busy = sum(any(not s.free for s in group) for group in self.groups)
+            free = sum(all(s.free for s in group) for group in self.groups)
+            load.load(busy + min(len(self.waiting), free))
 
     def _launched(self, window: Window) -> None:
         group = window.header.group
@@ -185,7 +196,7 @@ class Scheduler:
                 entries.append((slot, 1))
                 ahead.append((e, count))
             elif slot.num_pending == 1:  # it sat out the window in flight: its token is known
-                count = self._with_draft(slot, budget)
+                count = self._with_draft(slot, budget, len(busy))
                 if count is None:
                     continue
                 entries.append((slot, count))
@@ -208,8 +219,10 @@ class Scheduler:
         if self.drafts is None:
             return False
         with self._isolated(slot):
+            tokens = sum(not s.free for s in self.groups[slot.index % self.num_groups])
             return self.drafts.draft(slot.request, self._room(slot, self.max_window_tokens),
-                                     2 * self.window_cost, known=1) is not None
+                                     2 * self.window_cost, known=1,
+                                     window_tokens=tokens) is not None
         return True  # its proposer failed: the slot is free, the group changed
 
     def _continues(self, request: Request) -> bool:
@@ -226,13 +239,23 @@ class Scheduler:
         busy.sort(key=lambda s: s.num_pending > 1)  # decoding slots first, then prompts
         budget = self.max_window_tokens
         entries: list[tuple[Slot, int]] = []
+        tokens = sum(s.num_pending == 1 for s in busy)  # the window's, before any draft
+        together = self.drafts is not None and self.drafts.load is not None
+        if together:  # load pricing: the decoding slots' drafts are decided together
+            self._draft_together(group, [s for s in busy if s.num_pending == 1][:budget],
+                                 budget)
         for slot in busy:
             if budget == 0:
                 break
-            if slot.num_pending == 1:
-                count = self._with_draft(slot, budget)
+            if slot.free:
+                continue  # its proposer failed: the request failed with it
+            if slot.num_pending == 1 and together:
+                count = 1 + slot.num_drafted
+            elif slot.num_pending == 1:
+                count = self._with_draft(slot, budget, tokens)
                 if count is None:
                     continue
+                tokens += count - 1
             else:
                 slot.draft, count = None, min(slot.num_pending, budget)
             entries.append((slot, count))
@@ -241,19 +264,42 @@ class Scheduler:
             return None
         return self._build(group, entries)
 
-    def _with_draft(self, slot: Slot, budget: int) -> int | None:
+    def _with_draft(self, slot: Slot, budget: int, window_tokens: int = 1) -> int | None:
         """A decoding slot's tokens in the next window: its last one and the drafts the
         policy picks (None if its proposer failed: the request failed with it). A draft
         must gain more than `window_cost`: the slot then sits out the window built ahead
-        of this one."""
+        of this one. `window_tokens`: the window's tokens so far, without this draft."""
         slot.draft = None
         if self.drafts is not None:
             with self._isolated(slot):
                 slot.draft = self.drafts.draft(slot.request, self._room(slot, budget - 1),
-                                               self.window_cost)
+                                               self.window_cost,
+                                               window_tokens=window_tokens)
             if slot.free:
                 return None
         return 1 + (len(slot.draft.tokens) if slot.draft else 0)
+
+    def _draft_together(self, group: int, slots: list[Slot], budget: int) -> None:
+        """Set the drafts of a window's decoding slots, decided together by the policy
+        (load pricing); a slot whose proposer fails is freed with its request failed."""
+        rooms = [self._room(slot, budget - len(slots)) for slot in slots]
+        requests = [slot.request for slot in slots]
+        for slot in slots:
+            slot.draft = None
+        try:
+            drafts = self.drafts.draft_window(requests, rooms, budget - len(slots), len(slots),
+                                              self.window_cost, group=group)
+        except Exception:  # noqa: BLE001 - find the slot whose proposer fails, alone
+            drafts = []
+            for slot, room in zip(slots, rooms):
+                draft = None
+                with self._isolated(slot):
+                    draft = self.drafts.draft_window([slot.request], [room], room, 1,
+                                                     self.window_cost, group=group)[0]
+                drafts.append(None if slot.free else draft)
+        for slot, draft in zip(slots, drafts):
+            if not slot.free:
+                slot.draft = draft
 
     def _room(self, slot: Slot, budget: int) -> int:
         """Most drafts a decoding slot may carry: within the window budget, the context,
