@@ -13,53 +13,15 @@ appends the raw numbers to benchmarks/results.jsonl.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
 from strata.bench.report import add_record_flags, commit, machine, markdown_table, record
+from strata.calibrate.measure import stage_inputs, time_stage
 from strata.cli import add_engine_flags, engine_config
-from strata.drafting.draft import Draft
 from strata.engine.engine import Engine
 from strata.errors import StrataError
-from strata.sampling.params import SamplingParams
-
-
-def stage_inputs(engine: Engine, width: int, context: int) -> list:
-    """Each stage's (input, header) for a decoding window of `width` tokens (the last token
-    and width - 1 drafts, so the last stage computes `width` logits rows) after `context`."""
-    scheduler = engine.scheduler
-    slot = scheduler.slots[0]
-    tokens = torch.randint(0, engine.model_config.vocab_size, (context + width,)).tolist()
-    request = engine.add_request(tokens[:context + 1], SamplingParams(temperature=0))
-    scheduler._admit(scheduler.groups[0])
-    slot.num_computed = context  # NOTE: the prefix KV is whatever the cache holds: speed only
-    slot.draft = Draft(tokens[context + 1:], [1.0] * (width - 1)) if width > 1 else None
-    window = scheduler._build(0, [(slot, width)])
-    scheduler.in_flight.pop(0, None)
-    inputs, x = [], window.header.token_ids
-    for stage in engine.runner.stages:
-        inputs.append((x, window.header))
-        out = stage.forward(x, stage.prepare(window.header))
-        x = out if not isinstance(out, tuple) else None
-    engine.abort(request.request_id)
-    return inputs
-
-
-def time_stage(stage, x, header, repeats: int) -> float:
-    meta = stage.prepare(header)
-    times = []
-    for _ in range(repeats):
-        if stage.device.type == "cuda":
-            torch.cuda.synchronize(stage.device)
-        start = time.perf_counter()
-        stage.forward(x, meta)
-        if stage.device.type == "cuda":
-            torch.cuda.synchronize(stage.device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> int:

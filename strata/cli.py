@@ -190,7 +190,49 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
                         "drawn per run and printed; give it to repeat a run's prompts)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from strata.calibrate.command import CalibrateOptions, calibrate, parse_acceptance
+
+    logging.basicConfig(level=logging.WARNING, format="strata: %(message)s", stream=sys.stderr)
+    acceptance = parse_acceptance(args.acceptance) if args.acceptance else None
+    for name in ("users", "max_tokens", "repeats", "prompt_tokens", "output_tokens"):
+        if getattr(args, name) < 1:
+            raise StrataError(f"--{name.replace('_', '-')} must be at least 1")
+    return calibrate(engine_config(args), CalibrateOptions(
+        out=args.out, users=args.users, max_tokens=args.max_tokens, context=args.context,
+        repeats=args.repeats, simulate=args.simulate, acceptance=acceptance,
+        prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+        workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip())))
+
+
+def add_calibrate_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="strata-profile.json",
+                        help="the profile file to write")
+    parser.add_argument("--users", type=int, default=4,
+                        help="concurrent requests of the N-users prediction")
+    parser.add_argument("--max-tokens", type=int, default=128,
+                        help="tokens generated per sample prompt")
+    parser.add_argument("--context", type=int, default=256,
+                        help="tokens already in the slot when layers are timed")
+    parser.add_argument("--repeats", type=int, default=5, help="timings per layer and width "
+                        "(the median counts)")
+    parser.add_argument("--simulate", metavar="PROFILE",
+                        help="measure nothing: predict the table from this profile (its "
+                        "settings are the defaults of the engine flags)")
+    parser.add_argument("--acceptance", metavar="W=P,...",
+                        help="with --simulate: synthetic requests per workload, each draft "
+                        "token right with probability P, e.g. code=0.85,edit=0.98,prose=0.64")
+    parser.add_argument("--workloads", default="code,edit,prose",
+                        help="sample prompts to run: comma-separated, from code, edit, prose")
+    parser.add_argument("--prompt-tokens", type=int, default=1024,
+                        help="prompt length of the synthetic requests")
+    parser.add_argument("--output-tokens", type=int, default=512,
+                        help="output length of the synthetic requests")
+
+
+def build_parser(profile: dict | None = None) -> argparse.ArgumentParser:
+    """`profile`: engine settings that replace the flags' defaults (--profile)."""
+    profile = profile or {}
     parser = argparse.ArgumentParser(prog="strata", description=DESCRIPTION, epilog=EXAMPLES,
                                      formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -204,14 +246,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     gen.add_argument("--verbose", action="store_true", help="print token counts and speed")
     add_sampling_flags(gen, temperature=0.0)
-    add_engine_flags(gen)
+    add_engine_flags(gen, defaults=profile)
     gen.set_defaults(func=cmd_generate)
 
     from strata.server.config import ServerConfig
     srv = command("serve", "serve the OpenAI-compatible API over HTTP")
     add_config_flags(srv, ServerConfig)
-    add_engine_flags(srv, defaults={"parallel": 4})
+    add_engine_flags(srv, defaults={"parallel": 4, **profile})
     srv.set_defaults(func=cmd_serve)
+
+    cal = command("calibrate", "measure this machine's stages, choose --layer-split, "
+                  "--batch-groups, --spec and --spec-pricing with the pipeline simulator, "
+                  "and write them to a profile for `strata serve --profile`")
+    add_calibrate_flags(cal)
+    add_engine_flags(cal, defaults={"parallel": 4, **profile})
+    cal.set_defaults(func=cmd_calibrate)
 
     bench = command("bench", "measure servers on the coding-agent workloads (1 user and N "
                     "users)")
@@ -221,8 +270,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    flag = "--simulate" if getattr(args, "simulate", None) else "--profile"
+    source = getattr(args, flag[2:], None)
+    if source is not None:  # its settings become the flags' defaults: given flags win
+        from strata.calibrate.profile import load_profile
+        try:
+            settings = load_profile(source, flag).settings
+        except StrataError as e:
+            print(f"strata: error: {e}", file=sys.stderr)
+            return 2
+        args = build_parser(settings).parse_args(argv)
     if args.func in (cmd_serve, cmd_generate):
         from strata.pipeline.rendezvous import torchrun_address, torchrun_rank
         rank = torchrun_rank()
