@@ -23,8 +23,17 @@ from strata.errors import StrataError
 
 
 def main() -> int:
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--profile")
+    given = first.parse_known_args()[0].profile
+    try:
+        profile = load_profile(given) if given else None
+    except StrataError as e:
+        print(f"simulator_check: error: {e}", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_engine_flags(parser, defaults={"parallel": 4, "spec_suffix_global": 0})
+    add_engine_flags(parser, defaults={"parallel": 4, "spec_suffix_global": 0,
+                                       **(profile.settings if profile else {})})
     parser.add_argument("--users", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -32,7 +41,6 @@ def main() -> int:
     args = parser.parse_args()
     try:
         config = engine_config(args)
-        profile = load_profile(config.profile) if config.profile else None
         options = CalibrateOptions(out="", users=args.users, max_tokens=args.max_tokens,
                                    repeats=args.repeats,
                                    workloads=tuple(args.workloads.split(",")))

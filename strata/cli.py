@@ -19,6 +19,7 @@ EXAMPLES = """examples:
   strata serve --model ./Qwen3-0.6B --api-key-file key.txt
   strata generate "What is the capital of France?"
   strata bench --arm "drafts=--spec 8" --users 4
+  strata calibrate --devices cpu,cpu,cpu,cpu --out p.json && strata serve --profile p.json
 
 `strata COMMAND --help` lists a command's flags with their defaults."""
 
@@ -202,7 +203,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         out=args.out, users=args.users, max_tokens=args.max_tokens, context=args.context,
         repeats=args.repeats, simulate=args.simulate, acceptance=acceptance,
         prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
-        workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip())))
+        workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
+        show_all=args.all))
 
 
 def add_calibrate_flags(parser: argparse.ArgumentParser) -> None:
@@ -222,6 +224,8 @@ def add_calibrate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--acceptance", metavar="W=P,...",
                         help="with --simulate: synthetic requests per workload, each draft "
                         "token right with probability P, e.g. code=0.85,edit=0.98,prose=0.64")
+    parser.add_argument("--all", action="store_true",
+                        help="print every candidate's predicted row, not the best three")
     parser.add_argument("--workloads", default="code,edit,prose",
                         help="sample prompts to run: comma-separated, from code, edit, prose")
     parser.add_argument("--prompt-tokens", type=int, default=1024,

@@ -38,6 +38,8 @@ def compare(config: EngineConfig, options: CalibrateOptions,
     checkpoint = open_checkpoint(config.model, config.mtp_model)
     out = []
     for name, pairs in profile.traces.items():
+        if name not in options.workloads:
+            continue
         pairs = pairs[:options.users]
         traces = [(tuple(p), tuple(o)) for p, o in pairs]
         tokens = max(len(o) for _, o in traces)

@@ -38,6 +38,7 @@ class CalibrateOptions:
     prompt_tokens: int = 1024
     output_tokens: int = 512
     workloads: tuple[str, ...] = ("code", "edit", "prose")  # sample prompts to run
+    show_all: bool = False    # print every candidate's prediction
 
 
 def parse_acceptance(text: str) -> dict[str, float]:
@@ -215,7 +216,8 @@ def _print(profile: CostProfile, predictions: list[Prediction], base: EngineConf
               else "the profile's traces")
     print(f"predicted by the simulator ({source}), {options.users} users; tok/s 1 user / "
           f"{options.users} users; best first:")
-    shown = predictions[:3] + [p for p in predictions[3:] if _reference(p, base)]
+    shown = predictions if options.show_all else (
+        predictions[:3] + [p for p in predictions[3:] if _reference(p, base)])
     header, rows = table(shown)
     print(markdown_table(header, rows))
 

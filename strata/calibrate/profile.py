@@ -101,6 +101,29 @@ class CostProfile:
             stages = [c.scaled(self.stage_threads / threads) for c in stages]
         return stages
 
+    def stage_threads_for(self, config) -> int:
+        """Threads of each CPU stage under `config` (an EngineConfig): --stage-threads, or
+        the profile's cores shared out."""
+        stages = len(config.layer_split) + 1 if config.stage_processes else 1
+        cores = self.cpu_cores
+        return config.stage_threads or (max(1, cores // stages) if cores else self.stage_threads)
+
+    def simulated_stages(self, config) -> tuple[list[Curve], list[bool]]:
+        """The stages `config` runs, as the simulator and load pricing see them: one per
+        stage process, or all stages as one (in one process they run one after another);
+        each one's curve, and whether it runs on the CPU."""
+        if self.num_layers <= (config.layer_split[-1] if config.layer_split else 0):
+            raise StrataError(f"--layer-split {','.join(map(str, config.layer_split))} does "
+                              f"not fit the profile's {self.num_layers} layers")
+        curves = self.stage_costs(config.layer_split, self.stage_threads_for(config))
+        if config.stage_processes:
+            return curves, [config.stage_device(i).type == "cpu" for i in range(len(curves))]
+        return [sum(curves[1:], curves[0])], [config.stage_device(0).type == "cpu"]
+
+    def trip_hops(self, stages: int) -> float:
+        """Seconds of a window's hops: into the first stage, between stages, and back."""
+        return self.hop_seconds * (stages + 1) if stages > 1 else 0.0
+
     def host_seconds(self, tokens: int) -> float:
         return self.host_window_seconds + self.host_token_seconds * tokens
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from strata.calibrate.profile import CostProfile, Curve
 from strata.config import EngineConfig
 from strata.drafting.draft import Draft
-from strata.drafting.load_pricing import LoadPricing
+from strata.drafting.load_pricing import LoadPricing, from_profile
 from strata.drafting.policy import DraftPolicy
 from strata.errors import StrataError
 from strata.request import DraftStats, Request
@@ -240,42 +240,16 @@ class RunResult:
         return sum(s.tokens for s in self.streams) / self.wall if self.wall > 0 else 0.0
 
 
-def stage_threads(profile: CostProfile, config: EngineConfig) -> int:
-    """Threads of each CPU stage: --stage-threads, or the profile's cores shared out."""
-    stages = len(config.layer_split) + 1 if config.stage_processes else 1
-    cores = profile.cpu_cores
-    return config.stage_threads or (max(1, cores // stages) if cores else profile.stage_threads)
-
-
-def profile_pricing(profile: CostProfile, curves: list[Curve]) -> LoadPricing:
-    """Load pricing from a profile: its stage curves (as simulated), the engine's time per
-    window, and the hops of a trip where there are stage processes."""
-    hops = profile.hop_seconds * (len(curves) + 1) if len(curves) > 1 else 0.0
-    return LoadPricing(len(curves), curves, profile.host_seconds, hops)
-
-
-def stage_curves(profile: CostProfile, config: EngineConfig) -> tuple[list[Curve], list[bool]]:
-    """The simulated stages: one per stage process, or all stages as one (in one process
-    they run one after another); and whether each runs on the CPU."""
-    if profile.num_layers <= (config.layer_split[-1] if config.layer_split else 0):
-        raise StrataError(f"--layer-split {','.join(map(str, config.layer_split))} does not "
-                          f"fit the profile's {profile.num_layers} layers")
-    curves = profile.stage_costs(config.layer_split, stage_threads(profile, config))
-    if config.stage_processes:
-        return curves, [config.stage_device(i).type == "cpu" for i in range(len(curves))]
-    return [sum(curves[1:], curves[0])], [config.stage_device(0).type == "cpu"]
-
-
 def simulate(profile: CostProfile, config: EngineConfig, traces: list[Trace],
              acceptance: float | None = None, seed: int = 0) -> RunResult:
     """Run `traces` as requests sent together (greedy, max_tokens = their output) through
     the real scheduler on the simulated clock. `acceptance`: draft with a TraceProposer
     right with this probability per token, instead of the proposers `config` names."""
-    curves, cpu = stage_curves(profile, config)
+    curves, cpu = profile.simulated_stages(config)
     requests = [Request(list(t.prompt), SamplingParams(temperature=0, max_tokens=len(t.output)))
                 for t in traces]
     truth = {r.request_id: list(t.prompt) + list(t.output) for r, t in zip(requests, traces)}
-    policy = _policy(config, truth, acceptance, seed, curves, profile)
+    policy = _policy(config, truth, acceptance, seed, profile)
     longest = max(len(t.prompt) + len(t.output) for t in traces)
     max_context = longest + max(config.spec, config.spec_suffix_max) + 2
     scheduler = Scheduler(config.parallel, max_context, config.max_window_tokens,
@@ -283,7 +257,7 @@ def simulate(profile: CostProfile, config: EngineConfig, traces: list[Trace],
                           ahead=_ahead(config), window_cost=config.spec_window_cost)
     cores = profile.cpu_cores * profile.cpu_efficiency if profile.cpu_cores else None
     runner = SimulatedRunner(curves, profile.hop_seconds if config.stage_processes else 0.0,
-                             cpu, cores, stage_threads(profile, config), truth)
+                             cpu, cores, profile.stage_threads_for(config), truth)
     load = policy.load if policy is not None else None
     first: dict[str, float] = {}
     last: dict[str, float] = {}
@@ -323,7 +297,7 @@ def _ahead(config: EngineConfig) -> bool:
 
 
 def _policy(config: EngineConfig, truth: dict[str, list[int]], acceptance: float | None,
-            seed: int, curves: list[Curve], profile: CostProfile) -> DraftPolicy | None:
+            seed: int, profile: CostProfile) -> DraftPolicy | None:
     if config.spec == 0:
         return None
     if config.spec_pricing == "measured":
@@ -335,5 +309,5 @@ def _policy(config: EngineConfig, truth: dict[str, list[int]], acceptance: float
         from strata.drafting.registry import PROPOSERS
         names = [n for n in (config.spec_type or ("suffix", "lookup")) if n != "mtp"]
         proposers = [p for p in (PROPOSERS[n](config) for n in names) if p is not None]
-    load = profile_pricing(profile, curves) if config.spec_pricing == "load" else None
+    load = from_profile(profile, config) if config.spec_pricing == "load" else None
     return DraftPolicy(proposers, config.spec_token_cost, load=load)

@@ -126,3 +126,10 @@ class LoadPricing:
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
+
+
+def from_profile(profile, config) -> LoadPricing:
+    """Load pricing from a CostProfile for an EngineConfig: the stages it runs, their
+    curves, the engine's time per window and the hops of a trip."""
+    curves, _ = profile.simulated_stages(config)
+    return LoadPricing(len(curves), curves, profile.host_seconds, profile.trip_hops(len(curves)))

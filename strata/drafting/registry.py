@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 
 from strata.config import EngineConfig
-from strata.drafting.load_pricing import LoadPricing
+from strata.drafting.load_pricing import LoadPricing, from_profile
 from strata.drafting.policy import DraftPolicy, SimulatedPolicy
 from strata.drafting.pricing import DraftPricing
 from strata.drafting.proposer import Proposer
@@ -81,8 +81,7 @@ def load_pricing(config: EngineConfig, model: ModelConfig) -> LoadPricing | None
             raise StrataError(f"--profile {config.profile} was measured on a model of "
                               f"{profile.num_layers} layers, this one has {model.num_layers}; "
                               "calibrate this model")
-        from strata.calibrate.simulate import profile_pricing, stage_curves
-        return profile_pricing(profile, stage_curves(profile, config)[0])
+        return from_profile(profile, config)
     if pipelined:
         return LoadPricing(len(config.layer_split) + 1)
     if all(config.stage_device(i).type == "cpu" for i in range(len(config.layer_split) + 1)):
