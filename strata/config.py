@@ -96,6 +96,12 @@ class EngineConfig:
         "--cuda-graph-max-tokens runs eagerly, so fewer, larger prompt windows prefill "
         "faster)"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV cache block"))
+    prefix_cache: str = field(default="on", metadata=_opt(
+        "on: a request whose prompt starts with the same full blocks of tokens as a live or "
+        "finished request reuses their KV blocks (kept while the pool has room, least "
+        "recently used given back first) and computes only the rest; off: every prompt is "
+        "computed whole. Not yet for models with recurrent layers or with MTP drafts",
+        choices=("on", "off")))
     spec: int = field(default=8, metadata=_opt(
         "most draft tokens per slot per window (0 turns drafting off); suffix drafts of long "
         "confident matches may reach --spec-suffix-max"))

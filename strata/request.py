@@ -90,6 +90,8 @@ class Request:
     error: str | None = None                  # why it failed (finish reason "error")
     draft_stats: DraftStats = field(default_factory=DraftStats)
     logprobs: list | None = None  # per output token (TokenLogprob), when params ask for them
+    reuse_prefix: bool = True     # may start from cached KV blocks of its prompt's prefix
+    num_cached_tokens: int = 0    # prompt tokens it did not compute (the prefix cache's)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

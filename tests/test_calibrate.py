@@ -264,13 +264,13 @@ def test_calibrate_writes_a_profile_that_serve_accepts(gguf_path, tmp_path, caps
     out = tmp_path / "profile.json"
     code = main(["calibrate", "--devices", "cpu,cpu", "--stage-threads", "1", "--out", str(out),
                  "--max-tokens", "12", "--users", "2", "--repeats", "1", "--context", "32",
-                 "--workloads", "code,edit"])
+                 "--workloads", "code"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "predicted by the simulator" in printed and "wrote" in printed
     data = json.loads(out.read_text())
     assert len(data["layers"]) == 30 and len(data["settings"]["layer_split"]) == 1
-    assert set(data["traces"]) == {"code", "edit"}
+    assert set(data["traces"]) == {"code"}
     assert data["hop_seconds"] >= 0 and 0 < data["cpu_efficiency"] <= 1
     assert main(["calibrate", "--simulate", str(out), "--users", "2"]) == 0
     with running_server("--profile", str(out), "--spec-pricing", "load",

@@ -78,6 +78,11 @@ class Engine:
         # token and each draft of a window (so drafts are capped at --spec here).
         max_drafts = config.spec if stateful and policy is not None else None
         rows_per_slot = 2 + (max_drafts or 0) if stateful else 0
+        prefix_cache = config.prefix_cache == "on" and not stateful and not use_mtp
+        if config.prefix_cache == "on" and not prefix_cache:
+            log.info("the prefix cache is off: %s", "it cannot yet restore a recurrent "
+                     "layer's state" if stateful else "the MTP layer would miss the last "
+                     "cached token's hidden state")
         self.scheduler = Scheduler(config.parallel, self.max_context, config.max_window_tokens,
                                    config.block_size, policy,
                                    mtp_drafts=config.spec if use_mtp else 0,
@@ -85,7 +90,7 @@ class Engine:
                                    state_rows_per_slot=rows_per_slot,
                                    ahead=schedules_ahead(config),
                                    window_cost=config.spec_window_cost,
-                                   max_drafts=max_drafts)
+                                   max_drafts=max_drafts, prefix_cache=prefix_cache)
         drafts = self.scheduler.drafts
         self.draft_stats = drafts.stats if drafts is not None else DraftStats()  # all requests
         pricing = drafts.pricing if drafts is not None else None
@@ -201,7 +206,9 @@ class Engine:
         prompt through its windows like any request; the engine must be idle."""
         if self.has_work:
             raise RuntimeError("score() needs an idle engine")
-        self.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=1))
+        request = Request(list(prompt_ids), SamplingParams(temperature=0, max_tokens=1),
+                          self.eos_token_ids, reuse_prefix=False)  # every position's logits
+        self.add(request)
         rows = []
         while self.has_work:
             window = self.scheduler.schedule()

@@ -1,5 +1,6 @@
-"""BlockPool and BlockTable: which KV blocks belong to which slot; RowPool: which per-slot
-state rows; `cache_rows`: where a position lives through a block table.
+"""BlockPool and BlockTable: which KV blocks belong to which slot (shared through the
+prefix cache, prefix.py, and reference-counted); RowPool: which per-slot state rows;
+`cache_rows`: where a position lives through a block table.
 
 Owned by the scheduler alone. Every stage holds caches with the same number of blocks
 and rows, so one block id (or row id) names the same place in every stage's layers.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from strata.errors import StrataError
+from strata.kvcache.prefix import PrefixCache
 
 
 def cache_rows(block_table: torch.Tensor, positions: torch.Tensor,
@@ -41,12 +43,53 @@ class RowPool:
 
 
 class BlockPool(RowPool):
-    def __init__(self, num_blocks: int, block_size: int):
+    """KV blocks, reference-counted: a block shared through the prefix cache is held by
+    every slot that reads it, and goes back to the pool (or stays cached, if registered)
+    when the last one lets go."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise StrataError(f"the KV cache needs at least one block of one token "
                               f"(got {num_blocks} blocks of {block_size})")
         super().__init__(num_blocks, "block pool")
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.refs = [0] * num_blocks
+        self.prefix = PrefixCache() if prefix_cache else None
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a slot can get: free ones and cached ones nobody holds."""
+        return len(self._free) + (len(self.prefix.idle) if self.prefix else 0)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.prefix) if self.prefix else 0
+
+    def allocate(self, count: int) -> list[int]:
+        if count > self.num_free:
+            raise RuntimeError(f"block pool exhausted: {count} wanted, {self.num_free} free")
+        out = []
+        for _ in range(count):
+            block = self._free.pop() if self._free else self.prefix.evict()
+            self.refs[block] = 1
+            out.append(block)
+        return out
+
+    def hold(self, blocks: list[int]) -> None:
+        """Share cached blocks: one more holder each."""
+        for block in blocks:
+            self.refs[block] += 1
+            self.prefix.held(block)
+
+    def release(self, ids: list[int]) -> None:
+        for block in reversed(ids):
+            self.refs[block] -= 1
+            if self.refs[block] > 0:
+                continue
+            if self.prefix is not None and self.prefix.registered(block):
+                self.prefix.dropped(block)
+            else:
+                self._free.append(block)
 
 
 class BlockTable:

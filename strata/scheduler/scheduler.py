@@ -58,18 +58,21 @@ class Scheduler:
     def __init__(self, num_slots: int, max_context: int, max_window_tokens: int,
                  block_size: int, drafts: DraftPolicy | None = None, mtp_drafts: int = 0,
                  num_groups: int = 1, state_rows_per_slot: int = 0, ahead: bool = False,
-                 window_cost: float = 0.0, max_drafts: int | None = None):
+                 window_cost: float = 0.0, max_drafts: int | None = None,
+                 prefix_cache: bool = False):
         """`mtp_drafts`: the longest chain the model's MTP layer drafts on the last stage
         (0: none); `state_rows_per_slot`: rows of per-slot state the model's layers keep;
         `ahead`: build a decoding group's next window while its last computes (the runner
         carries the tokens over on its device; not with MTP drafts); `window_cost`: the
         least net gain of a draft worth sending when windows go ahead; `max_drafts`: the
-        most drafts one window carries for a slot (None: no cap)."""
+        most drafts one window carries for a slot (None: no cap); `prefix_cache`: a
+        request starts from cached blocks of its prompt's prefix (kvcache/prefix.py)."""
         if not 1 <= num_groups <= num_slots:
             raise ValueError(f"{num_groups} groups for {num_slots} slots")
         blocks_per_slot = -(-max_context // block_size)
         # NOTE: every slot can always grow to max_context, so no request is ever preempted.
-        self.pool = BlockPool(num_slots * blocks_per_slot, block_size)
+        self.pool = BlockPool(num_slots * blocks_per_slot, block_size, prefix_cache)
+        self.cached_tokens = 0  # prompt tokens the prefix cache saved (all requests)
         self.state_rows = RowPool(num_slots * state_rows_per_slot)
         self.state_rows_per_slot = state_rows_per_slot
         self.max_drafts = max_drafts
@@ -320,6 +323,9 @@ class Scheduler:
                 request = self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 slot.assign(request)
+                if self.pool.prefix is not None and request.reuse_prefix:
+                    slot.reuse_prefix()
+                    self.cached_tokens += request.num_cached_tokens
                 if self.drafts is not None:
                     with self._isolated(slot):
                         self.drafts.admitted(request)
@@ -345,6 +351,9 @@ class Scheduler:
                 source = (self._latest[group].header.state_rows[carried[0], 1].item()
                           if carried else slot.state_current)
                 state_rows.append(slot.state_order(source))
+            if start < len(slot.keys) * self.pool.block_size:
+                raise RuntimeError(f"a window would write position {start} of slot "
+                                   f"{slot.index}, inside its shared or cached blocks")
             starts.append(start)
             # Positions the MTP layer may reach: the window's, then its chain of drafts.
             mtp_end = min(self.max_context, start + count + self.mtp_drafts + 1) \
@@ -437,8 +446,12 @@ class Scheduler:
                 slot.state_current = int(header.state_rows[entry_index, 1 + accepted])
             slot.draft = None
             if not sample:
+                if self.pool.prefix is not None:
+                    slot.register_blocks()
                 continue
             appended = request.extend(tokens, self.max_context)
+            if self.pool.prefix is not None:  # the accepted drafts are tokens now
+                slot.register_blocks()
             if token_logprobs is not None and request.logprobs is not None:
                 request.logprobs.extend(token_logprobs[:len(appended)])
             updated.append(request)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from strata.drafting.draft import Draft
 from strata.kvcache.block_pool import BlockPool, BlockTable, RowPool
+from strata.kvcache.prefix import ROOT, block_key, prompt_keys
 from strata.request import Request
 
 
@@ -18,6 +19,8 @@ class Slot:
         self.draft: Draft | None = None  # drafts carried by the slot's window in flight
         self.state_rows: list[int] = []  # rows of per-slot state, while it holds a request
         self.state_current: int | None = None  # the row holding its committed state
+        self.keys: list[bytes] = []  # prefix-cache keys of its leading full committed
+                                     # blocks: shared or registered, never written again
 
     @property
     def free(self) -> bool:
@@ -43,6 +46,34 @@ class Slot:
         self.row_pool.release(self.state_rows)
         self.request, self.num_computed, self.draft, self.state_rows = None, 0, None, []
         self.state_current = None
+        self.keys = []
+
+    def reuse_prefix(self) -> None:
+        """Take the prefix cache's blocks for the longest cached prefix of the prompt
+        (whole blocks, leaving at least the prompt's last token to compute: its logits
+        start the output) and start computing after them."""
+        pool, request = self.block_table.pool, self.request
+        size = pool.block_size
+        blocks = []
+        for key in prompt_keys(request.prompt_ids, size, (request.num_prompt_tokens - 1) // size):
+            block = pool.prefix.lookup(key)
+            if block is None:
+                break
+            blocks.append(block)
+            self.keys.append(key)
+        pool.hold(blocks)
+        self.block_table.blocks = blocks
+        self.num_computed = request.num_cached_tokens = len(blocks) * size
+
+    def register_blocks(self) -> None:
+        """Register the slot's blocks that are now full of committed tokens."""
+        pool, request = self.block_table.pool, self.request
+        size = pool.block_size
+        for i in range(len(self.keys), min(self.num_computed, request.num_tokens) // size):
+            key = block_key(self.keys[-1] if self.keys else ROOT,
+                            request.token_ids[i * size:(i + 1) * size])
+            pool.prefix.register(self.block_table.blocks[i], key)
+            self.keys.append(key)
 
     def state_order(self, source: int) -> list[int]:
         """The slot's state rows for a window: `source` (the state its run starts from),

@@ -334,8 +334,10 @@ class AsyncEngine:
                 if engine.meter is not None:
                     self.metrics.observe_pricing(engine.meter.pricing)
                 self.metrics.observe_stages(engine.stage_seconds, engine.scheduler_seconds)
-            self.metrics.queue_length.set(len(engine.scheduler.waiting))
-            self.metrics.slots_used.set(engine.scheduler.num_running)
+            scheduler = engine.scheduler
+            self.metrics.queue_length.set(len(scheduler.waiting))
+            self.metrics.slots_used.set(scheduler.num_running)
+            self.metrics.observe_cache(scheduler.pool, scheduler.cached_tokens)
         return None
 
     def _drain(self, block: bool) -> None:

@@ -16,6 +16,14 @@ class Metrics:
                                      registry=r)
         self.generation_tokens = Counter("strata_generation_tokens", "Generated tokens",
                                          registry=r)
+        self.cached_tokens = Counter("strata_prefix_cache_hit_tokens", "Prompt tokens of "
+                                     "admitted requests read from the prefix cache instead of "
+                                     "computed (hit rate: over strata_prompt_tokens)", registry=r)
+        self.cached_blocks = Gauge("strata_prefix_cache_blocks", "KV blocks the prefix cache "
+                                   "holds (shared by live requests or kept from finished ones)",
+                                   registry=r)
+        self.free_blocks = Gauge("strata_kv_blocks_free", "KV blocks a request can take: "
+                                 "free, or cached and held by none", registry=r)
         self.queue_length = Gauge("strata_queue_length", "Requests waiting for a slot", registry=r)
         self.slots_used = Gauge("strata_slots_used", "Slots holding a running request", registry=r)
         self.slots_total = Gauge("strata_slots_total", "Slots (--parallel)", registry=r)
@@ -44,6 +52,7 @@ class Metrics:
         self._seen: dict[str, tuple[int, int]] = {}
         self._stage_seen: list[float] = []
         self._scheduler_seen = 0.0
+        self._cached_seen = 0
 
     def observe_drafts(self, stats) -> None:
         """Add what the engine's DraftStats gained since the last call."""
@@ -54,6 +63,16 @@ class Metrics:
             if s.accepted > accepted:
                 self.draft_accepted.labels(name).inc(s.accepted - accepted)
             self._seen[name] = (s.drafted, s.accepted)
+
+    def observe_cache(self, pool, cached_tokens: int) -> None:
+        """The block pool's state and the prompt tokens the prefix cache saved so far."""
+        if cached_tokens < self._cached_seen:  # a restarted engine counts afresh
+            self._cached_seen = 0
+        if cached_tokens > self._cached_seen:
+            self.cached_tokens.inc(cached_tokens - self._cached_seen)
+            self._cached_seen = cached_tokens
+        self.cached_blocks.set(pool.num_cached)
+        self.free_blocks.set(pool.num_free)
 
     def observe_pricing(self, pricing) -> None:
         """The measured draft prices (a DraftPricing) as they stand."""

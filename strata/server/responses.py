@@ -109,16 +109,19 @@ class ResponseShape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     @staticmethod
-    def usage(prompt: int, lasts: list[Piece | None]) -> dict:
+    def usage(prompt: int, lasts: list[Piece | None], cached: int = 0) -> dict:
+        """OpenAI's usage (`cached`: prompt tokens the prefix cache saved), with Strata's
+        draft statistics."""
         completion = sum(last.completion_tokens for last in lasts if last)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion,
-                 "total_tokens": prompt + completion}
+                 "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
         drafts = [last.drafts for last in lasts if last is not None and last.drafts is not None]
         if drafts:
             usage["drafts"] = drafts[0] if len(drafts) == 1 else _sum_drafts(drafts)
         return usage
 
-    def full(self, choices: list[Choice], prompt: int) -> dict:
+    def full(self, choices: list[Choice], prompt: int, cached: int = 0) -> dict:
         out = []
         for c in choices:
             text, finish = "".join(c.text), c.last.finish if c.last else "stop"
@@ -131,7 +134,7 @@ class ResponseShape:
                             "finish_reason": finish})
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._base(obj), "choices": out,
-                "usage": self.usage(prompt, [c.last for c in choices])}
+                "usage": self.usage(prompt, [c.last for c in choices], cached)}
 
     def chunk(self, index: int, text: str | None, finish: str | None, first: bool = False,
               logprobs: list | None = None) -> dict:
@@ -145,9 +148,9 @@ class ResponseShape:
         choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
         return {**self._base("text_completion"), "choices": [choice]}
 
-    def usage_chunk(self, prompt: int, lasts: list[Piece | None]) -> dict:
+    def usage_chunk(self, prompt: int, lasts: list[Piece | None], cached: int = 0) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._base(obj), "choices": [], "usage": self.usage(prompt, lasts)}
+        return {**self._base(obj), "choices": [], "usage": self.usage(prompt, lasts, cached)}
 
     # -- logprobs -------------------------------------------------------------------------
     def _token(self, token_id: int) -> tuple[str, list[int]]:
@@ -197,7 +200,7 @@ def _sum_drafts(stats: list[dict]) -> dict:
 
 
 async def whole(http: HTTPRequest, shape: ResponseShape, streams: list[AsyncIterator],
-                prompt_tokens: int) -> dict | Response:
+                prompt_tokens: int, cached_tokens: int = 0) -> dict | Response:
     """The whole response of n choices; if the client goes away first, every choice's
     engine request is aborted at once (no generation runs on for nobody)."""
     choices = [Choice(i) for i in range(len(streams))]
@@ -225,7 +228,7 @@ async def whole(http: HTTPRequest, shape: ResponseShape, streams: list[AsyncIter
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, watcher, return_exceptions=True)
-    return shape.full(choices, prompt_tokens)
+    return shape.full(choices, prompt_tokens, cached_tokens)
 
 
 async def _interleaved(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
@@ -302,5 +305,6 @@ async def sse(shape: ResponseShape, handles: list[RequestHandle], streams: list[
     finally:
         await pieces.aclose()
     if include_usage:
-        yield event(shape.usage_chunk(handles[0].prompt_tokens, lasts))
+        yield event(shape.usage_chunk(handles[0].prompt_tokens, lasts,
+                                      handles[0].request.num_cached_tokens))
     yield "data: [DONE]\n\n"

@@ -1,0 +1,98 @@
+"""A coding agent's conversation, turn by turn, with and without the prefix cache: each
+turn's prompt is the whole conversation so far (the file, every earlier request and
+answer) plus a new request, as agents send it. Prints per turn the prompt length, the
+time to first token, the prompt tokens read from the cache, the decode rate and draft
+acceptance, with machine, commit and settings.
+
+    .venv/bin/python benchmarks/conversation.py                          # default model, CPU
+    .venv/bin/python benchmarks/conversation.py --devices cuda:0 --turns 6 --max-tokens 400
+
+The requests run one at a time through the engine in this process (no server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from strata.bench.report import commit, machine, markdown_table
+from strata.bench.workloads import edit_prompt
+from strata.cli import add_engine_flags, engine_config
+from strata.errors import StrataError
+from strata.llm import LLM
+from strata.sampling.params import SamplingParams
+
+REQUESTS = ["Now add a docstring to every method that lacks one. Output the whole file.",
+            "Add type hints to every function. Output the whole file.",
+            "Rename the class to `Stock`. Output the whole file.",
+            "Sort the methods alphabetically. Output the whole file.",
+            "Add a `__repr__` method. Output the whole file.",
+            "Remove every comment. Output the whole file."]
+
+
+def turn(llm: LLM, messages: list[dict], max_tokens: int) -> dict:
+    ids = llm.encode_prompt(messages)
+    job = llm.add(ids, SamplingParams(temperature=0, max_tokens=max_tokens))
+    request, engine = job.request, llm.engine
+    start = time.perf_counter()
+    while request.num_output_tokens == 0 and not request.finished:
+        engine.step()
+    first = time.perf_counter()
+    while not request.finished:
+        engine.step()
+    end = time.perf_counter()
+    text = llm.tokenizer.decode(request.output_ids)
+    stats = request.draft_stats
+    return {"prompt": len(ids), "cached": request.num_cached_tokens,
+            "ttft": first - start, "tokens": request.num_output_tokens,
+            "decode": (request.num_output_tokens - 1) / (end - first) if end > first else 0.0,
+            "acceptance": stats.acceptance if stats.drafted else None, "text": text}
+
+
+def conversation(llm: LLM, turns: int, max_tokens: int) -> list[dict]:
+    messages = [{"role": "user", "content": edit_prompt("small")}]
+    out = []
+    for i in range(turns):
+        result = turn(llm, messages, max_tokens)
+        out.append(result)
+        messages += [{"role": "assistant", "content": result["text"]},
+                     {"role": "user", "content": REQUESTS[i % len(REQUESTS)]}]
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_engine_flags(parser, defaults={"spec_suffix_global": 0, "max_context": 8192})
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=300)
+    args = parser.parse_args()
+    rows = []
+    try:
+        config = engine_config(args)
+        for arm in ("off", "on"):
+            llm = LLM(dataclasses.replace(config, prefix_cache=arm))
+            try:
+                llm.engine.generate([llm.encode_prompt("Say hi.")],
+                                    SamplingParams(temperature=0, max_tokens=4))  # warm-up
+                for i, r in enumerate(conversation(llm, args.turns, args.max_tokens), 1):
+                    acceptance = f"{r['acceptance']:.0%}" if r["acceptance"] is not None else "-"
+                    rows.append([f"prefix cache {arm}", str(i), str(r["prompt"]),
+                                 str(r["cached"]), f"{r['ttft'] * 1e3:.0f}",
+                                 f"{r['decode']:.1f}", acceptance])
+            finally:
+                llm.close()
+    except StrataError as e:
+        print(f"conversation: error: {e}", file=sys.stderr)
+        return 2
+    print(f"machine: {machine()}\ncommit: {commit()}\nsettings: model={config.model or 'default'} "
+          f"devices={','.join(config.devices)} spec={config.spec} turns={args.turns} "
+          f"max_tokens={args.max_tokens} block_size={config.block_size}")
+    print(markdown_table(["arm", "turn", "prompt tokens", "from the cache", "first token ms",
+                          "decode tok/s", "draft acceptance"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
