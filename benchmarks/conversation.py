@@ -1,8 +1,9 @@
 """A coding agent's conversation, turn by turn, with and without the prefix cache: each
 turn's prompt is the whole conversation so far (the file, every earlier request and
 answer) plus a new request, as agents send it. Prints per turn the prompt length, the
-time to first token, the prompt tokens read from the cache, the decode rate and draft
-acceptance, with machine, commit and settings.
+time to first token, the prompt tokens read from the cache, the decode rate, draft
+acceptance and whether the text equals the run without the cache (greedy), with machine,
+commit and settings.
 
     .venv/bin/python benchmarks/conversation.py                          # default model, CPU
     .venv/bin/python benchmarks/conversation.py --devices cuda:0 --turns 6 --max-tokens 400
@@ -68,7 +69,7 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=300)
     args = parser.parse_args()
-    rows = []
+    rows, texts = [], {}
     try:
         config = engine_config(args)
         for arm in ("off", "on"):
@@ -78,9 +79,11 @@ def main() -> int:
                                     SamplingParams(temperature=0, max_tokens=4))  # warm-up
                 for i, r in enumerate(conversation(llm, args.turns, args.max_tokens), 1):
                     acceptance = f"{r['acceptance']:.0%}" if r["acceptance"] is not None else "-"
+                    texts.setdefault(i, r["text"])
                     rows.append([f"prefix cache {arm}", str(i), str(r["prompt"]),
                                  str(r["cached"]), f"{r['ttft'] * 1e3:.0f}",
-                                 f"{r['decode']:.1f}", acceptance])
+                                 f"{r['decode']:.1f}", acceptance,
+                                 "yes" if r["text"] == texts[i] else "NO"])
             finally:
                 llm.close()
     except StrataError as e:
@@ -90,7 +93,7 @@ def main() -> int:
           f"devices={','.join(config.devices)} spec={config.spec} turns={args.turns} "
           f"max_tokens={args.max_tokens} block_size={config.block_size}")
     print(markdown_table(["arm", "turn", "prompt tokens", "from the cache", "first token ms",
-                          "decode tok/s", "draft acceptance"], rows))
+                          "decode tok/s", "draft acceptance", "same text as off"], rows))
     return 0
 
 

@@ -69,6 +69,8 @@ def test_a_profile_reads_back_what_was_written(tmp_path):
      "'warp_drive' is not an engine setting"),
     ('{"strata_profile": 1, "widths": [1], "layers": [[1]], "first": [0], "last": [0], '
      '"devices": ["cpu"], "colour": "red"}', "unknown keys colour"),
+    ('{"strata_profile": 1, "widths": [1], "layers": [[1]], "first": [0], "last": [0], '
+     '"devices": ["cpu"], "settings": {"spec": -3}}', "settings: --spec"),
 ])
 def test_a_bad_profile_names_the_problem_and_the_fix(tmp_path, capsys, content, problem):
     path = tmp_path / "p.json"

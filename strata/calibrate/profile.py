@@ -192,6 +192,10 @@ def _profile(data: dict) -> CostProfile:
                           for prompt, output in pairs]
               for name, pairs in data.get("traces", {}).items()}
     settings = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()}
+    try:  # each value checked as the flag would be (slots: as many as any split needs)
+        EngineConfig(**{"parallel": 1024, **settings})
+    except (StrataError, TypeError, ValueError) as e:
+        raise ValueError(f"settings: {e}") from None
     cores = data.get("cpu_cores")
     return CostProfile(
         widths=widths, layers=layers, first=seconds("first", data["first"]),

@@ -11,11 +11,10 @@ carrying drafts at all, when windows are built ahead: it sits one out): a draft 
 gain does not exceed it is not sent. With `pricing` (`--spec-pricing measured`, pricing.py)
 drafting is also charged what the engine's steps show it costs now: a drafted entry's
 price is added to the window cost, and a token costs the larger of its measured price and
-`--spec-token-cost`. With `load` (`--spec-pricing load`, load_pricing.py) the price of a
-draft of L tokens is what L more tokens in this window cost the pipeline now, and the
-draft is cut at the length of largest net gain (with a fixed price per token that is where
-the next token is worth less than it costs, as above). The policy also forwards each
-request's lifecycle to every proposer.
+`--spec-token-cost`. With `load` (`--spec-pricing load`, load_pricing.py) the drafts of a
+window's slots are decided together (`draft_window`): their tokens, best first, as many
+as make the most tokens per second given what the stages' costs and load say more tokens
+in this window take. The policy also forwards each request's lifecycle to every proposer.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from strata.request import DraftStats, Request
 FORGET = 0.8          # weight kept by a recorded draft per newer one (running acceptance)
 PRIOR = 1.0           # expected tokens of trust the running acceptance starts with (at 1)
 MIN_RATE = 0.02       # a proposer that keeps failing stops drafting...
-RECOVERY = 0.97       # ...and forgets its record a little every window it sits out, so
+RECOVERY = 0.97       # ...and forgets its record a little every time it is asked, so
                       # it is tried again now and then (about every 5-10 windows)
 MAX_RATE = 2.0        # scores that prove pessimistic may be trusted up to twice as much
 
@@ -94,7 +93,7 @@ class DraftPolicy:
             draft = p.propose(request.request_id, room)
             if not draft or not draft.tokens:
                 continue
-            rate = self._rate(request, p.name, sitting_out=True)
+            rate = self._rate(request, p.name, asked=True)
             worths = [min(1.0, rate * score) for score in draft.scores[:room]]
             length, gain = self._cut(worths, known, token_cost)
             if length > known and gain > best_gain:
@@ -152,20 +151,21 @@ class DraftPolicy:
             draft = p.propose(request.request_id, room)
             if not draft or not draft.tokens:
                 continue
-            rate = self._rate(request, p.name, sitting_out=True)
+            rate = self._rate(request, p.name, asked=True)
             worths = [min(1.0, rate * score) for score in draft.scores[:room]]
             if best is None or sum(worths) > sum(best[1]):
                 best = (draft, worths)
         return best
 
-    def _rate(self, request: Request, proposer: str, sitting_out: bool = False) -> float:
+    def _rate(self, request: Request, proposer: str, asked: bool = False) -> float:
         """How far the proposer's scores held for this request lately: its drafts'
         accepted over expected tokens (recent drafts weighted most), starting from PRIOR
-        expected tokens all accepted. `sitting_out`: asked for a window (the record fades
-        a little, so that a proposer that stopped drafting is tried again)."""
+        expected tokens all accepted. `asked`: the proposer is asked for a window's draft
+        (the record fades a little each time, so one that stopped drafting is tried
+        again)."""
         key = (request.request_id, proposer)
         got, expected = self._acceptance.get(key, (0.0, 0.0))
-        if sitting_out and expected:
+        if asked and expected:
             self._acceptance[key] = (RECOVERY * got, RECOVERY * expected)
         return min(max((got + PRIOR) / (expected + PRIOR), MIN_RATE), MAX_RATE)
 

@@ -135,8 +135,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
             return StreamingResponse(sse(shape, handles, streams, req.include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await whole(http, shape, streams, handles[0].prompt_tokens,
-                           handles[0].request.num_cached_tokens)
+        return await whole(http, shape, streams, handles[0])
 
     return app
 

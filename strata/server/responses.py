@@ -200,9 +200,10 @@ def _sum_drafts(stats: list[dict]) -> dict:
 
 
 async def whole(http: HTTPRequest, shape: ResponseShape, streams: list[AsyncIterator],
-                prompt_tokens: int, cached_tokens: int = 0) -> dict | Response:
-    """The whole response of n choices; if the client goes away first, every choice's
-    engine request is aborted at once (no generation runs on for nobody)."""
+                first: RequestHandle) -> dict | Response:
+    """The whole response of n choices (`first`: the first choice's request, whose prompt
+    the usage counts, read once it has run); if the client goes away first, every
+    choice's engine request is aborted at once (no generation runs on for nobody)."""
     choices = [Choice(i) for i in range(len(streams))]
 
     async def collect(choice: Choice, texts: AsyncIterator) -> None:
@@ -228,7 +229,7 @@ async def whole(http: HTTPRequest, shape: ResponseShape, streams: list[AsyncIter
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, watcher, return_exceptions=True)
-    return shape.full(choices, prompt_tokens, cached_tokens)
+    return shape.full(choices, first.prompt_tokens, first.request.num_cached_tokens)
 
 
 async def _interleaved(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
