@@ -59,7 +59,7 @@ def parse_acceptance(text: str) -> dict[str, float]:
 
 def calibrate(config: EngineConfig, options: CalibrateOptions) -> int:
     if options.simulate is not None:
-        profile = load_profile(options.simulate)
+        profile = load_profile(options.simulate, "--simulate")
         base = config  # the CLI made the profile's settings the defaults of its flags
         traces = _traces(profile, options)
         predictions = choose(profile, base, traces, options.acceptance)
