@@ -21,16 +21,16 @@ SEEDED = SamplingParams(temperature=0.9, seed=3, max_tokens=24)
 
 # -- the pool ---------------------------------------------------------------------------------
 def test_keys_name_the_whole_prefix():
-    a = prompt_keys([1, 2, 3, 4, 5, 6, 7, 8], 4, 2)
-    b = prompt_keys([9, 2, 3, 4, 5, 6, 7, 8], 4, 2)
+    a = list(prompt_keys([1, 2, 3, 4, 5, 6, 7, 8], 4, 2))
+    b = list(prompt_keys([9, 2, 3, 4, 5, 6, 7, 8], 4, 2))
     assert a[0] != b[0] and a[1] != b[1]  # the same second block after another first one
-    assert prompt_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], 4, 2) == a
+    assert list(prompt_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], 4, 2)) == a
 
 
 def test_shared_blocks_are_counted_and_idle_ones_go_last_recently_used_first():
     pool = BlockPool(4, 4, prefix_cache=True)
     a, b = pool.allocate(2)
-    keys = prompt_keys(list(range(8)), 4, 2)
+    keys = list(prompt_keys(list(range(8)), 4, 2))
     pool.prefix.register(a, keys[0])
     pool.prefix.register(b, keys[1])
     pool.hold([a])                    # a second holder of block a

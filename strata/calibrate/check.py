@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from strata.calibrate.command import CalibrateOptions, measure_profile
 from strata.calibrate.measure import concurrent_run
 from strata.calibrate.profile import CostProfile
-from strata.calibrate.simulate import simulate
+from strata.calibrate.simulate import Trace, simulate
 from strata.config import EngineConfig
 
 
@@ -45,7 +45,6 @@ def compare(config: EngineConfig, options: CalibrateOptions,
         tokens = max(len(o) for _, o in traces)
         config_n = replace(config, parallel=max(config.parallel, len(traces)))
         real, wall = concurrent_run(config_n, checkpoint, [list(p) for p, _ in traces], tokens)
-        from strata.calibrate.simulate import Trace
         sim = simulate(profile, config_n, [Trace(p, o) for p, o in traces])
         out.append(Comparison(
             name, sum(n for n, _, _ in real) / wall, sim.total_tok_s,

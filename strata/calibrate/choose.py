@@ -90,7 +90,7 @@ def candidates(profile: CostProfile, base: EngineConfig) -> list[tuple[str, Engi
     """Settings to compare: the balanced split (or the one given) with groups 1, one per
     stage and one more, drafts of 4, 8 and 16 tokens priced fixed or by load, and no
     drafts."""
-    stages = len(base.devices) if len(base.devices) > 1 else 1
+    stages = len(base.devices)
     split = base.layer_split or balanced_split(profile, stages)
     out = []
     groups = sorted({1, min(stages, base.parallel), min(stages + 1, base.parallel)})

@@ -79,6 +79,7 @@ def layer_curves(config: EngineConfig, checkpoint, widths: tuple[int, ...], cont
                     profile=None, cuda_graphs="off", max_context=context + max(widths) + 64)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    engine = None
     try:
         engine = Engine(alone, checkpoint)
         with torch.inference_mode():
@@ -87,8 +88,9 @@ def layer_curves(config: EngineConfig, checkpoint, widths: tuple[int, ...], cont
                 inputs = stage_inputs(engine, width, context)
                 times.append([time_stage(stage, x, header, repeats)
                               for stage, (x, header) in zip(engine.runner.stages, inputs)])
-        engine.close()
     finally:
+        if engine is not None:
+            engine.close()
         torch.set_num_threads(previous)
     per_layer = [[times[i][layer] for i in range(len(widths))] for layer in range(num_layers)]
     middle = per_layer[1:-1] or per_layer

@@ -31,6 +31,7 @@ from strata.config import EngineConfig
 from strata.drafting.draft import Draft
 from strata.drafting.load_pricing import LoadPricing, from_profile
 from strata.drafting.policy import DraftPolicy
+from strata.engine.engine import schedules_ahead
 from strata.errors import StrataError
 from strata.request import DraftStats, Request
 from strata.sampling.params import SamplingParams
@@ -254,7 +255,8 @@ def simulate(profile: CostProfile, config: EngineConfig, traces: list[Trace],
     max_context = longest + max(config.spec, config.spec_suffix_max) + 2
     scheduler = Scheduler(config.parallel, max_context, config.max_window_tokens,
                           config.block_size, policy, num_groups=config.num_groups(),
-                          ahead=_ahead(config), window_cost=config.spec_window_cost)
+                          ahead=schedules_ahead(config), window_cost=config.spec_window_cost,
+                          prefix_cache=config.prefix_cache == "on")
     cores = profile.cpu_cores * profile.cpu_efficiency if profile.cpu_cores else None
     runner = SimulatedRunner(curves, profile.hop_seconds if config.stage_processes else 0.0,
                              cpu, cores, profile.stage_threads_for(config), truth)
@@ -289,11 +291,6 @@ def _submit(runner: SimulatedRunner, window: Window, load: LoadPricing | None) -
     if runner.num_in_flight == 0 and load is not None:
         load.resume(runner.now)
     runner.submit(window)
-
-
-def _ahead(config: EngineConfig) -> bool:
-    from strata.engine.engine import schedules_ahead
-    return schedules_ahead(config)
 
 
 def _policy(config: EngineConfig, truth: dict[str, list[int]], acceptance: float | None,

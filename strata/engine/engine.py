@@ -110,7 +110,6 @@ class Engine:
         self._cpu_stages = [] if config.stage_processes else [
             i for i in range(self.runner.num_stages) if config.stage_device(i).type == "cpu"]
         self._launching = 0.0         # seconds launching windows since the last commit
-        self.windows = 0              # windows committed
         self.observers: list = []     # called with (window, result) of each commit
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
 
@@ -178,7 +177,6 @@ class Engine:
         commit = time.perf_counter()
         for stage, seconds in enumerate(result.stage_seconds):
             self.stage_seconds[stage] += seconds
-        self.windows += 1
         for observe in self.observers:
             observe(window, result)
         if self.meter is not None:

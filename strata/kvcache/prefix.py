@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 ROOT = b""  # the key before the first block
 
@@ -26,13 +26,13 @@ def block_key(previous: bytes, tokens: Sequence[int]) -> bytes:
     return digest.digest()
 
 
-def prompt_keys(token_ids: Sequence[int], block_size: int, count: int) -> list[bytes]:
-    """Keys of the first `count` full blocks of a sequence."""
-    keys, key = [], ROOT
+def prompt_keys(token_ids: Sequence[int], block_size: int, count: int) -> Iterator[bytes]:
+    """Keys of the first `count` full blocks of a sequence, computed as they are read (a
+    lookup that stops at its first miss hashes no further)."""
+    key = ROOT
     for i in range(count):
         key = block_key(key, token_ids[i * block_size:(i + 1) * block_size])
-        keys.append(key)
-    return keys
+        yield key
 
 
 class PrefixCache:
