@@ -95,6 +95,13 @@ class EngineConfig:
         "(prompts longer than this take several windows; a window above "
         "--cuda-graph-max-tokens runs eagerly, so fewer, larger prompt windows prefill "
         "faster)"))
+    kv_tokens: int | None = field(default=None, metadata=_opt(
+        "tokens of KV cache shared by all slots (default: --parallel x --max-context, so "
+        "no request ever waits for blocks). Smaller lets --max-context be long: blocks are "
+        "given to a slot as its sequence grows; when they run out, a new request waits for "
+        "room and the most recently admitted running request is preempted (it computes its "
+        "tokens again later, from the prefix cache's blocks where they are still cached). "
+        "At least --max-context, so that one request always fits"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV cache block"))
     prefix_cache: str = field(default="on", metadata=_opt(
         "on: a request whose prompt starts with the same full blocks of tokens as a live or "
@@ -190,6 +197,8 @@ class EngineConfig:
             raise StrataError(f"--stage-timeout must be positive (got {self.stage_timeout})")
         if self.max_context is not None and self.max_context < 2:
             raise StrataError(f"--max-context must be at least 2 (got {self.max_context})")
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            raise StrataError(f"--kv-tokens must be at least 1 (got {self.kv_tokens})")
         if not self.devices:
             raise StrataError("--devices needs at least one device, e.g. cpu or cuda:0")
         for device in self.devices:

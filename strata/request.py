@@ -92,6 +92,8 @@ class Request:
     logprobs: list | None = None  # per output token (TokenLogprob), when params ask for them
     reuse_prefix: bool = True     # may start from cached KV blocks of its prompt's prefix
     num_cached_tokens: int = 0    # prompt tokens it did not compute (the prefix cache's)
+    arrival: int = 0              # its place in the scheduler's queue (older runs first)
+    num_preemptions: int = 0      # times its KV blocks were taken back (computed again)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

@@ -183,3 +183,4 @@ def test_the_server_reports_cached_tokens(tiny_served_model, tmp_path):
     hits = [line for line in metrics.splitlines()
             if line.startswith("strata_prefix_cache_hit_tokens_total")]
     assert hits and float(hits[0].split()[-1]) >= 200
+    assert "strata_kv_blocks_used " in metrics and "strata_preemptions_total 0.0" in metrics

@@ -131,6 +131,8 @@ DRAFT_CASES = {
     "windows ahead": dict(parallel=4, schedule_ahead="on", spec_window_cost=0.0),
     "two stage processes, two groups": dict(parallel=8, devices=("cpu", "cpu"),
                                             layer_split=(4,), batch_groups=2),
+    "eight at once, a KV pool that runs short": dict(parallel=8, max_window_tokens=24,
+                                                     kv_tokens=256),
 }
 
 
@@ -466,6 +468,8 @@ MTP_CASES = {
     "eight at once": dict(parallel=8, max_window_tokens=24),
     "two stage processes, two groups": dict(parallel=8, devices=("cpu", "cpu"),
                                             layer_split=(4,), batch_groups=2),
+    "eight at once, a KV pool that runs short": dict(parallel=8, max_window_tokens=24,
+                                                     kv_tokens=256),
 }
 
 
@@ -485,6 +489,8 @@ def test_mtp_drafts_keep_greedy_output(qwen3_next_mtp, case):
         assert engine.generate(batch, params) == want
         stats = engine.draft_stats
         assert stats.drafted > stats.accepted, stats  # rejected drafts rolled back
+        if "kv_tokens" in settings:  # states and MTP drafts start over after preemption
+            assert engine.scheduler.preemptions > 0
     finally:
         engine.close()
 

@@ -90,7 +90,8 @@ class Engine:
                                    state_rows_per_slot=rows_per_slot,
                                    ahead=schedules_ahead(config),
                                    window_cost=config.spec_window_cost,
-                                   max_drafts=max_drafts, prefix_cache=prefix_cache)
+                                   max_drafts=max_drafts, prefix_cache=prefix_cache,
+                                   kv_tokens=config.kv_tokens)
         drafts = self.scheduler.drafts
         self.draft_stats = drafts.stats if drafts is not None else DraftStats()  # all requests
         pricing = drafts.pricing if drafts is not None else None

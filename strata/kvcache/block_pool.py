@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from strata.errors import StrataError
-from strata.kvcache.prefix import PrefixCache
+from strata.kvcache.prefix import PrefixCache, prompt_keys
 
 
 def cache_rows(block_table: torch.Tensor, positions: torch.Tensor,
@@ -64,6 +64,27 @@ class BlockPool(RowPool):
     @property
     def num_cached(self) -> int:
         return len(self.prefix) if self.prefix else 0
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def cached_prefix(self, token_ids: list[int], count: int) -> list[tuple[bytes, int]]:
+        """(key, block) of the leading full blocks of `token_ids` that the prefix cache
+        holds, at most `count` (none without a prefix cache)."""
+        hits = []
+        if self.prefix is not None:
+            for key in prompt_keys(token_ids, self.block_size, count):
+                block = self.prefix.lookup(key)
+                if block is None:
+                    break
+                hits.append((key, block))
+        return hits
+
+    def num_idle(self, blocks: list[int]) -> int:
+        """How many of `blocks` are cached and held by none (holding them takes them out
+        of num_free)."""
+        return sum(block in self.prefix.idle for block in blocks) if self.prefix else 0
 
     def allocate(self, count: int) -> list[int]:
         if count > self.num_free:

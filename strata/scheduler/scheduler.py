@@ -44,6 +44,7 @@ import torch
 
 from strata.drafting.draft import Draft
 from strata.drafting.policy import DraftPolicy
+from strata.errors import StrataError
 from strata.kvcache.block_pool import BlockPool, RowPool
 from strata.kvcache.spec import CacheSize
 from strata.request import Request, RequestStatus
@@ -59,19 +60,28 @@ class Scheduler:
                  block_size: int, drafts: DraftPolicy | None = None, mtp_drafts: int = 0,
                  num_groups: int = 1, state_rows_per_slot: int = 0, ahead: bool = False,
                  window_cost: float = 0.0, max_drafts: int | None = None,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, kv_tokens: int | None = None):
         """`mtp_drafts`: the longest chain the model's MTP layer drafts on the last stage
         (0: none); `state_rows_per_slot`: rows of per-slot state the model's layers keep;
         `ahead`: build a decoding group's next window while its last computes (the runner
         carries the tokens over on its device; not with MTP drafts); `window_cost`: the
         least net gain of a draft worth sending when windows go ahead; `max_drafts`: the
         most drafts one window carries for a slot (None: no cap); `prefix_cache`: a
-        request starts from cached blocks of its prompt's prefix (kvcache/prefix.py)."""
+        request starts from cached blocks of its prompt's prefix (kvcache/prefix.py);
+        `kv_tokens`: the block pool's tokens (None: every slot can reach `max_context`)."""
         if not 1 <= num_groups <= num_slots:
             raise ValueError(f"{num_groups} groups for {num_slots} slots")
         blocks_per_slot = -(-max_context // block_size)
-        # NOTE: every slot can always grow to max_context, so no request is ever preempted.
-        self.pool = BlockPool(num_slots * blocks_per_slot, block_size, prefix_cache)
+        num_blocks = (-(-kv_tokens // block_size) if kv_tokens is not None
+                      else num_slots * blocks_per_slot)
+        if num_blocks < blocks_per_slot:
+            raise StrataError(f"--kv-tokens {kv_tokens} holds fewer tokens than --max-context "
+                              f"{max_context}, so one request could not reach its context; "
+                              "raise --kv-tokens or lower --max-context")
+        self.pool = BlockPool(num_blocks, block_size, prefix_cache)
+        self.preemptions = 0  # running requests whose blocks were taken back
+        self._told_waiting: set[str] = set()  # requests logged as waiting for blocks
+        self._arrivals = 0
         self.cached_tokens = 0  # prompt tokens the prefix cache saved (all requests)
         self.state_rows = RowPool(num_slots * state_rows_per_slot)
         self.state_rows_per_slot = state_rows_per_slot
@@ -102,13 +112,18 @@ class Scheduler:
 
     # -- requests -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
+        self._arrivals += 1
+        request.arrival = self._arrivals
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
         for request in self.waiting:
             if request.request_id == request_id:
                 self.waiting.remove(request)
+                self._told_waiting.discard(request.request_id)
                 request.finish("abort")
+                if request.num_preemptions:  # its proposers still know it
+                    self._forget(request)
                 return request
         for slot in self.slots:
             if slot.request is not None and slot.request.request_id == request_id:
@@ -211,6 +226,11 @@ class Scheduler:
                 break
         if not any(ahead):
             return None  # nothing depends on the window in flight: the next one takes them
+        if self._blocks_needed(entries, ahead) > self.pool.num_free:
+            for (slot, _), carried in zip(entries, ahead):
+                if carried is None:
+                    slot.draft = None
+            return None  # the pool is short: the group's next window finds room or makes it
         return self._build(group, entries, ahead=ahead)
 
     def _would_draft(self, slot: Slot) -> bool:
@@ -263,6 +283,7 @@ class Scheduler:
                 slot.draft, count = None, min(slot.num_pending, budget)
             entries.append((slot, count))
             budget -= count
+        entries = self._fit(entries)
         if not entries:
             return None
         return self._build(group, entries)
@@ -316,19 +337,116 @@ class Scheduler:
         return max(room, 0)
 
     def _admit(self, slots: list[Slot]) -> None:
+        """Give free slots to waiting requests, oldest first, while the pool has the blocks
+        for their known tokens and one more (beyond those the prefix cache holds), after
+        the blocks running requests still need for theirs; the first that does not fit
+        waits, and the requests behind it with it."""
+        size = self.pool.block_size
         for slot in slots:
             if not self.waiting:
                 return
-            if slot.free:
-                request = self.waiting.popleft()
-                request.status = RequestStatus.RUNNING
-                slot.assign(request)
-                if self.pool.prefix is not None and request.reuse_prefix:
-                    slot.reuse_prefix()
-                    self.cached_tokens += request.num_cached_tokens
-                if self.drafts is not None:
-                    with self._isolated(slot):
-                        self.drafts.admitted(request)
+            if not slot.free:
+                continue
+            request = self.waiting[0]
+            hits = self.pool.cached_prefix(request.token_ids, (request.num_tokens - 1) // size) \
+                if request.reuse_prefix else []
+            needed = -(-self._extent(request.num_tokens, 1) // size) - len(hits)
+            promised = sum(max(0, -(-self._extent(s.request.num_tokens, 1) // size)
+                               - len(s.block_table.blocks)) for s in self.slots if not s.free)
+            free = self.pool.num_free - self.pool.num_idle([b for _, b in hits]) - promised
+            if needed > free:
+                if request.request_id not in self._told_waiting:
+                    self._told_waiting.add(request.request_id)
+                    log.info("request %s waits for KV blocks: it needs %d, %d are free "
+                             "(--kv-tokens)", request.request_id, needed, self.pool.num_free)
+                return
+            self.waiting.popleft()
+            self._told_waiting.discard(request.request_id)
+            request.status = RequestStatus.RUNNING
+            slot.assign(request)
+            slot.reuse_prefix(hits)
+            if request.num_preemptions:
+                continue  # its proposers kept it, its cached tokens were counted
+            request.num_cached_tokens = slot.num_computed
+            self.cached_tokens += slot.num_computed
+            if self.drafts is not None:
+                with self._isolated(slot):
+                    self.drafts.admitted(request)
+
+    # -- KV blocks ------------------------------------------------------------------------
+    def _extent(self, start: int, count: int) -> int:
+        """End of the positions a window entry of `count` tokens from `start` may write:
+        its own, then the MTP layer's chain of drafts after them."""
+        if not self.mtp_drafts:
+            return start + count
+        return min(self.max_context, start + count + self.mtp_drafts + 1)
+
+    def _blocks_needed(self, entries: list[tuple[Slot, int]],
+                       ahead: list[tuple[int, int] | None] | None = None) -> int:
+        """New blocks the entries' slots need for a window (`ahead` as in _build)."""
+        size, needed = self.pool.block_size, 0
+        for e, (slot, count) in enumerate(entries):
+            carried = ahead[e] if ahead else None
+            start = slot.num_computed + (carried[1] if carried else 0)
+            needed += max(0, -(-self._extent(start, count) // size)
+                          - len(slot.block_table.blocks))
+        return needed
+
+    def _fit(self, entries: list[tuple[Slot, int]]) -> list[tuple[Slot, int]]:
+        """The window's entries trimmed to the blocks the pool can give. While it is short,
+        the newest request's drafts go first (they are guesses), then its prompt chunk
+        shrinks; then the newest running request of a group with no window in flight is
+        preempted (its tokens are computed again later). If that is one of this window's
+        while other groups' windows are in flight, the window waits instead (they may
+        finish, or be newer and give way): returns no entries."""
+        size = self.pool.block_size
+        while (short := self._blocks_needed(entries) - self.pool.num_free) > 0:
+            newest = sorted(range(len(entries)), key=lambda i: -entries[i][0].request.arrival)
+            drafted = [i for i in newest if entries[i][0].num_drafted]
+            chunks = [i for i in newest if entries[i][0].num_pending > 1
+                      and self._blocks_needed([entries[i]])]
+            if drafted:
+                slot = entries[drafted[0]][0]
+                slot.draft = None
+                entries[drafted[0]] = (slot, 1)
+            elif chunks:
+                slot, count = entries[chunks[0]]
+                keep = len(slot.block_table.blocks) + max(
+                    0, self._blocks_needed([(slot, count)]) - short)
+                count = min(count, keep * size - self._extent(slot.num_computed, 0))
+                if count > 0:
+                    entries[chunks[0]] = (slot, count)
+                else:
+                    del entries[chunks[0]]
+            else:
+                busy = [s for g, group in enumerate(self.groups) if g not in self.in_flight
+                        for s in group if not s.free]
+                victim = max(busy, key=lambda s: s.request.arrival, default=None)
+                mine = any(s is victim for s, _ in entries)
+                if victim is None or (mine and self.in_flight):
+                    for slot, _ in entries:
+                        slot.draft = None
+                    return []
+                entries = [(s, c) for s, c in entries if s is not victim]
+                self._preempt(victim)
+        return entries
+
+    def _preempt(self, slot: Slot) -> None:
+        """Take a running request's blocks back: it waits again, in arrival order, and
+        computes its tokens again when admitted (from cached blocks where it can)."""
+        request = slot.request
+        request.num_preemptions += 1
+        self.preemptions += 1
+        log.warning("KV blocks ran out (%d of %d free, --kv-tokens %d): request %s is "
+                    "preempted after %d tokens and computes them again when blocks free up",
+                    self.pool.num_free, self.pool.num_blocks,
+                    self.pool.num_blocks * self.pool.block_size, request.request_id,
+                    request.num_tokens)
+        request.status = RequestStatus.WAITING
+        slot.release()
+        later = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival),
+                     len(self.waiting))
+        self.waiting.insert(later, request)
 
     def _build(self, group: int, entries: list[tuple[Slot, int]],
                ahead: list[tuple[int, int] | None] | None = None) -> Window:
@@ -356,8 +474,7 @@ class Scheduler:
                                    f"{slot.index}, inside its shared or cached blocks")
             starts.append(start)
             # Positions the MTP layer may reach: the window's, then its chain of drafts.
-            mtp_end = min(self.max_context, start + count + self.mtp_drafts + 1) \
-                if self.mtp_drafts else start + count
+            mtp_end = self._extent(start, count)
             slot.block_table.ensure(mtp_end)
             end = start + count - slot.num_drafted  # end of the run's known tokens
             tokens.extend(request.token_ids[start:end] if not carried else [0] * (end - start))
@@ -485,12 +602,16 @@ class Scheduler:
             self._release(slot)
 
     def _release(self, slot: Slot) -> None:
+        self._forget(slot.request)
+        slot.release()
+
+    def _forget(self, request: Request) -> None:
+        """The proposers let go of a finished request."""
         if self.drafts is not None:
             try:
-                self.drafts.finished(slot.request)
+                self.drafts.finished(request)
             except Exception:  # noqa: BLE001 - the slot is freed regardless
-                log.exception("a proposer failed to forget %s", slot.request.request_id)
-        slot.release()
+                log.exception("a proposer failed to forget %s", request.request_id)
 
 
 def _padded(rows: list[list[int]]) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from strata.drafting.draft import Draft
 from strata.kvcache.block_pool import BlockPool, BlockTable, RowPool
-from strata.kvcache.prefix import ROOT, block_key, prompt_keys
+from strata.kvcache.prefix import ROOT, block_key
 from strata.request import Request
 
 
@@ -48,22 +48,13 @@ class Slot:
         self.state_current = None
         self.keys = []
 
-    def reuse_prefix(self) -> None:
-        """Take the prefix cache's blocks for the longest cached prefix of the prompt
-        (whole blocks, leaving at least the prompt's last token to compute: its logits
-        start the output) and start computing after them."""
-        pool, request = self.block_table.pool, self.request
-        size = pool.block_size
-        blocks = []
-        for key in prompt_keys(request.prompt_ids, size, (request.num_prompt_tokens - 1) // size):
-            block = pool.prefix.lookup(key)
-            if block is None:
-                break
-            blocks.append(block)
-            self.keys.append(key)
-        pool.hold(blocks)
-        self.block_table.blocks = blocks
-        self.num_computed = request.num_cached_tokens = len(blocks) * size
+    def reuse_prefix(self, hits: list[tuple[bytes, int]]) -> None:
+        """Take the prefix cache's blocks `hits` ((key, block) of the request's leading full
+        blocks, BlockPool.cached_prefix) and start computing after them."""
+        self.block_table.pool.hold([block for _, block in hits])
+        self.block_table.blocks = [block for _, block in hits]
+        self.keys = [key for key, _ in hits]
+        self.num_computed = len(hits) * self.block_table.pool.block_size
 
     def register_blocks(self) -> None:
         """Register the slot's blocks that are now full of committed tokens."""

@@ -337,7 +337,8 @@ class AsyncEngine:
             scheduler = engine.scheduler
             self.metrics.queue_length.set(len(scheduler.waiting))
             self.metrics.slots_used.set(scheduler.num_running)
-            self.metrics.observe_cache(scheduler.pool, scheduler.cached_tokens)
+            self.metrics.observe_cache(scheduler.pool, scheduler.cached_tokens,
+                                       scheduler.preemptions)
         return None
 
     def _drain(self, block: bool) -> None:

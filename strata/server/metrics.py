@@ -24,6 +24,11 @@ class Metrics:
                                    registry=r)
         self.free_blocks = Gauge("strata_kv_blocks_free", "KV blocks a request can take: "
                                  "free, or cached and held by none", registry=r)
+        self.used_blocks = Gauge("strata_kv_blocks_used", "KV blocks held by running "
+                                 "requests (the pool: --kv-tokens / --block-size)", registry=r)
+        self.preemptions = Counter("strata_preemptions", "Running requests whose KV blocks "
+                                   "were taken back when the pool ran short (each computes "
+                                   "its tokens again; raise --kv-tokens)", registry=r)
         self.queue_length = Gauge("strata_queue_length", "Requests waiting for a slot", registry=r)
         self.slots_used = Gauge("strata_slots_used", "Slots holding a running request", registry=r)
         self.slots_total = Gauge("strata_slots_total", "Slots (--parallel)", registry=r)
@@ -52,7 +57,7 @@ class Metrics:
         self._seen: dict[str, tuple[int, int]] = {}
         self._stage_seen: list[float] = []
         self._scheduler_seen = 0.0
-        self._cached_seen = 0
+        self._cached_seen = self._preempted_seen = 0
 
     def observe_drafts(self, stats) -> None:
         """Add what the engine's DraftStats gained since the last call."""
@@ -64,15 +69,18 @@ class Metrics:
                 self.draft_accepted.labels(name).inc(s.accepted - accepted)
             self._seen[name] = (s.drafted, s.accepted)
 
-    def observe_cache(self, pool, cached_tokens: int) -> None:
-        """The block pool's state and the prompt tokens the prefix cache saved so far."""
-        if cached_tokens < self._cached_seen:  # a restarted engine counts afresh
-            self._cached_seen = 0
-        if cached_tokens > self._cached_seen:
-            self.cached_tokens.inc(cached_tokens - self._cached_seen)
-            self._cached_seen = cached_tokens
+    def observe_cache(self, pool, cached_tokens: int, preemptions: int = 0) -> None:
+        """The block pool's state, the prompt tokens the prefix cache saved so far and the
+        preemptions so far."""
+        if cached_tokens < self._cached_seen or preemptions < self._preempted_seen:
+            self._cached_seen = self._preempted_seen = 0  # a restarted engine counts afresh
+        self.cached_tokens.inc(cached_tokens - self._cached_seen)
+        self._cached_seen = cached_tokens
+        self.preemptions.inc(preemptions - self._preempted_seen)
+        self._preempted_seen = preemptions
         self.cached_blocks.set(pool.num_cached)
         self.free_blocks.set(pool.num_free)
+        self.used_blocks.set(pool.num_used)
 
     def observe_pricing(self, pricing) -> None:
         """The measured draft prices (a DraftPricing) as they stand."""

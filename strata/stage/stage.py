@@ -93,6 +93,12 @@ class Stage:
         self.keeps_state = any(isinstance(c, SlotStateCache) for c in self.caches)
         self.mtp_cache: PagedKVCache | None = (cache(arch.config.num_layers)
                                                if hasattr(self.module, "mtp") else None)
+        kv_bytes = sum(c.key.nbytes + c.value.nbytes for c in [*self.caches, self.mtp_cache]
+                       if isinstance(c, PagedKVCache))
+        if kv_bytes:
+            log.info("stage %d KV cache on %s: %d tokens (%d blocks, --kv-tokens), %.0f MiB",
+                     index, device, cache_size.num_blocks * cache_size.block_size,
+                     cache_size.num_blocks, kv_bytes / 2**20)
 
     def load(self, checkpoint, progress: tqdm | None = None) -> None:
         """Read this stage's tensors from the checkpoint (shapes checked), each placed on the
