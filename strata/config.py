@@ -103,6 +103,14 @@ class EngineConfig:
         "tokens again later, from the prefix cache's blocks where they are still cached). "
         "At least --max-context, so that one request always fits"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV cache block"))
+    conversation_cache_mib: int = field(default=0, metadata=_opt(
+        "MiB of host RAM (over all stages) that keep finished conversations' KV blocks "
+        "when the device pool needs their room, so that a conversation's next turn copies "
+        "them back instead of computing them (0: off; needs --prefix-cache on)"))
+    conversation_cache_slots: int = field(default=32, metadata=_opt(
+        "conversations (finished or preempted requests' blocks, a later turn replacing "
+        "the one it continues) the host-RAM cache keeps, least recently used forgotten "
+        "first"))
     prefix_cache: str = field(default="on", metadata=_opt(
         "on: a request whose prompt starts with the same full blocks of tokens as a live or "
         "finished request reuses their KV blocks (kept while the pool has room, least "
@@ -197,6 +205,9 @@ class EngineConfig:
             raise StrataError(f"--stage-timeout must be positive (got {self.stage_timeout})")
         if self.max_context is not None and self.max_context < 2:
             raise StrataError(f"--max-context must be at least 2 (got {self.max_context})")
+        if self.conversation_cache_mib < 0 or self.conversation_cache_slots < 1:
+            raise StrataError("--conversation-cache-mib must be >= 0 and "
+                              "--conversation-cache-slots at least 1")
         if self.kv_tokens is not None and self.kv_tokens < 1:
             raise StrataError(f"--kv-tokens must be at least 1 (got {self.kv_tokens})")
         if not self.devices:

@@ -161,7 +161,7 @@ def test_the_server_reports_cached_tokens(tiny_served_model, tmp_path):
     from server_utils import running_server
     system = "You are a careful assistant. " * 20
     with running_server("--model", str(tiny_served_model), "--block-size", "8",
-                        log=tmp_path / "serve.log") as (base, _):
+                        "--conversation-cache-mib", "1", log=tmp_path / "serve.log") as (base, _):
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
         model = client.models.list().data[0].id
         usages = []
@@ -184,3 +184,4 @@ def test_the_server_reports_cached_tokens(tiny_served_model, tmp_path):
             if line.startswith("strata_prefix_cache_hit_tokens_total")]
     assert hits and float(hits[0].split()[-1]) >= 200
     assert "strata_kv_blocks_used " in metrics and "strata_preemptions_total 0.0" in metrics
+    assert "strata_conversation_cache_restored_tokens_total 0.0" in metrics

@@ -19,7 +19,7 @@ from strata.drafting.pricing import StepMeter
 from strata.drafting.registry import build_policy
 from strata.engine.stalls import StallWatch
 from strata.errors import StrataError
-from strata.kvcache.spec import keeps_slot_state
+from strata.kvcache.spec import PagedKVSpec, keeps_slot_state
 from strata.models.registry import get_architecture
 from strata.request import DraftStats, Request
 from strata.sampling.params import SamplingParams
@@ -91,7 +91,9 @@ class Engine:
                                    ahead=schedules_ahead(config),
                                    window_cost=config.spec_window_cost,
                                    max_drafts=max_drafts, prefix_cache=prefix_cache,
-                                   kv_tokens=config.kv_tokens)
+                                   kv_tokens=config.kv_tokens,
+                                   host_blocks=self._host_blocks(arch, prefix_cache),
+                                   host_conversations=config.conversation_cache_slots)
         drafts = self.scheduler.drafts
         self.draft_stats = drafts.stats if drafts is not None else DraftStats()  # all requests
         pricing = drafts.pricing if drafts is not None else None
@@ -113,6 +115,26 @@ class Engine:
         self._launching = 0.0         # seconds launching windows since the last commit
         self.observers: list = []     # called with (window, result) of each commit
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+
+    def _host_blocks(self, arch, prefix_cache: bool) -> int:
+        """Blocks of the host-RAM conversation cache that --conversation-cache-mib holds:
+        a block's keys and values in every attention layer of every stage."""
+        config = self.config
+        if not config.conversation_cache_mib:
+            return 0
+        if not prefix_cache:
+            log.info("the conversation cache is off: it keeps the prefix cache's blocks, "
+                     "and the prefix cache is off")
+            return 0
+        itemsize = torch.empty(0, dtype=config.kv_dtype()).element_size()
+        per_block = sum(2 * spec.num_kv_heads * spec.head_dim * config.block_size * itemsize
+                        for spec in map(arch.cache_spec, range(self.model_config.num_layers))
+                        if isinstance(spec, PagedKVSpec))
+        blocks = config.conversation_cache_mib * 2**20 // per_block
+        if not blocks:
+            raise StrataError(f"--conversation-cache-mib {config.conversation_cache_mib} "
+                              f"holds no block of {per_block / 2**20:.2f} MiB; raise it")
+        return blocks
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Raise StrataError if the prompt cannot run in one slot."""

@@ -67,10 +67,9 @@ class PrefixCache:
         """Nobody holds the registered block any more: it stays cached, most recent last."""
         self.idle[block] = None
 
-    def evict(self) -> int | None:
-        """Forget the least recently used idle block and return it (None if none)."""
-        if not self.idle:
-            return None
+    def evict(self) -> tuple[int, bytes]:
+        """Forget the least recently used idle block; return it with the key it held."""
         block, _ = self.idle.popitem(last=False)
-        del self.block_of[self.key_of.pop(block)]
-        return block
+        key = self.key_of.pop(block)
+        del self.block_of[key]
+        return block, key

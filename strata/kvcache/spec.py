@@ -47,6 +47,7 @@ class CacheSize:
     block_size: int      # tokens per block
     num_state_rows: int  # rows of per-slot state (SlotStateSpec layers)
     blocks_per_slot: int = 0  # the most blocks one slot holds (0: up to num_blocks)
+    host_blocks: int = 0      # blocks of the conversation cache in host RAM (kvcache/host.py)
 
     @property
     def padding_block(self) -> int:

@@ -126,6 +126,7 @@ class StageLoop:
         else:
             x, seconds = _transport(self.link.recv, header.num_tokens, self.rank - 1)
         start = time.perf_counter()
+        self.stage.move_blocks(header)
         out = self.stage.forward(x, meta)
         if not self.last:
             if self.cuda:

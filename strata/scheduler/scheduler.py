@@ -46,6 +46,7 @@ from strata.drafting.draft import Draft
 from strata.drafting.policy import DraftPolicy
 from strata.errors import StrataError
 from strata.kvcache.block_pool import BlockPool, RowPool
+from strata.kvcache.host import HostCache
 from strata.kvcache.spec import CacheSize
 from strata.request import Request, RequestStatus
 from strata.sampling.verifier import VerifyEntry
@@ -60,7 +61,8 @@ class Scheduler:
                  block_size: int, drafts: DraftPolicy | None = None, mtp_drafts: int = 0,
                  num_groups: int = 1, state_rows_per_slot: int = 0, ahead: bool = False,
                  window_cost: float = 0.0, max_drafts: int | None = None,
-                 prefix_cache: bool = False, kv_tokens: int | None = None):
+                 prefix_cache: bool = False, kv_tokens: int | None = None,
+                 host_blocks: int = 0, host_conversations: int = 32):
         """`mtp_drafts`: the longest chain the model's MTP layer drafts on the last stage
         (0: none); `state_rows_per_slot`: rows of per-slot state the model's layers keep;
         `ahead`: build a decoding group's next window while its last computes (the runner
@@ -68,7 +70,9 @@ class Scheduler:
         least net gain of a draft worth sending when windows go ahead; `max_drafts`: the
         most drafts one window carries for a slot (None: no cap); `prefix_cache`: a
         request starts from cached blocks of its prompt's prefix (kvcache/prefix.py);
-        `kv_tokens`: the block pool's tokens (None: every slot can reach `max_context`)."""
+        `kv_tokens`: the block pool's tokens (None: every slot can reach `max_context`);
+        `host_blocks`: blocks of the conversation cache in host RAM, kept for the last
+        `host_conversations` requests' blocks (kvcache/host.py; with the prefix cache)."""
         if not 1 <= num_groups <= num_slots:
             raise ValueError(f"{num_groups} groups for {num_slots} slots")
         blocks_per_slot = -(-max_context // block_size)
@@ -78,7 +82,8 @@ class Scheduler:
             raise StrataError(f"--kv-tokens {kv_tokens} holds fewer tokens than --max-context "
                               f"{max_context}, so one request could not reach its context; "
                               "raise --kv-tokens or lower --max-context")
-        self.pool = BlockPool(num_blocks, block_size, prefix_cache)
+        host = HostCache(host_blocks, host_conversations) if host_blocks else None
+        self.pool = BlockPool(num_blocks, block_size, prefix_cache, host)
         self.preemptions = 0  # running requests whose blocks were taken back
         self._told_waiting: set[str] = set()  # requests logged as waiting for blocks
         self._arrivals = 0
@@ -99,7 +104,8 @@ class Scheduler:
         self.drafts = drafts if drafts is not None and drafts.enabled else None
         self.mtp_drafts = mtp_drafts
         self.cache_size = CacheSize(self.pool.num_blocks, block_size, self.state_rows.size,
-                                    blocks_per_slot)
+                                    blocks_per_slot,
+                                    self.pool.host.num_blocks if self.pool.host is not None else 0)
         self.waiting: deque[Request] = deque()
         self.num_groups = num_groups
         self.groups = [self.slots[g::num_groups] for g in range(num_groups)]
@@ -350,7 +356,8 @@ class Scheduler:
             request = self.waiting[0]
             hits = self.pool.cached_prefix(request.token_ids, (request.num_tokens - 1) // size) \
                 if request.reuse_prefix else []
-            needed = -(-self._extent(request.num_tokens, 1) // size) - len(hits)
+            needed = -(-self._extent(request.num_tokens, 1) // size) - sum(
+                block is not None for _, block in hits)
             promised = sum(max(0, -(-self._extent(s.request.num_tokens, 1) // size)
                                - len(s.block_table.blocks)) for s in self.slots if not s.free)
             free = self.pool.num_free - self.pool.num_idle([b for _, b in hits]) - promised
@@ -443,6 +450,7 @@ class Scheduler:
                     self.pool.num_blocks * self.pool.block_size, request.request_id,
                     request.num_tokens)
         request.status = RequestStatus.WAITING
+        self._remember(slot)
         slot.release()
         later = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival),
                      len(self.waiting))
@@ -496,6 +504,7 @@ class Scheduler:
                 mtp_rows.append(slot.block_table.rows(start + 1, mtp_end))
                 mtp_lens.append(mtp_end - start - 1)
             offset += count
+        spills, restores = self.pool.take_moves()
         header = WindowHeader(
             group=group,
             slots=[slot.index for slot, _ in entries],
@@ -517,6 +526,8 @@ class Scheduler:
             mtp_lens=mtp_lens if self.mtp_drafts else None,
             carry_rows=carry_rows,
             carry_from=carry_from,
+            spills=spills,
+            restores=restores,
         )
         return Window(header, requests=[slot.request for slot, _ in entries],
                       drafts=[slot.draft for slot, _ in entries])
@@ -603,7 +614,14 @@ class Scheduler:
 
     def _release(self, slot: Slot) -> None:
         self._forget(slot.request)
+        self._remember(slot)
         slot.release()
+
+    def _remember(self, slot: Slot) -> None:
+        """Keep the slot's full committed blocks for its conversation's next turn: in the
+        host cache when the device needs them (kvcache/host.py)."""
+        if self.pool.host is not None:
+            self.pool.host.remember(slot.keys)
 
     def _forget(self, request: Request) -> None:
         """The proposers let go of a finished request."""

@@ -48,13 +48,16 @@ class Slot:
         self.state_current = None
         self.keys = []
 
-    def reuse_prefix(self, hits: list[tuple[bytes, int]]) -> None:
-        """Take the prefix cache's blocks `hits` ((key, block) of the request's leading full
-        blocks, BlockPool.cached_prefix) and start computing after them."""
-        self.block_table.pool.hold([block for _, block in hits])
-        self.block_table.blocks = [block for _, block in hits]
+    def reuse_prefix(self, hits: list[tuple[bytes, int | None]]) -> None:
+        """Take the cached blocks `hits` ((key, block) of the request's leading full
+        blocks, BlockPool.cached_prefix: on the device, or None for those copied back
+        from host RAM) and start computing after them."""
+        pool = self.block_table.pool
+        self.block_table.blocks = pool.take(hits)
         self.keys = [key for key, _ in hits]
-        self.num_computed = len(hits) * self.block_table.pool.block_size
+        self.num_computed = len(hits) * pool.block_size
+        if hits and pool.host is not None:
+            pool.host.touch(self.keys[-1])
 
     def register_blocks(self) -> None:
         """Register the slot's blocks that are now full of committed tokens."""

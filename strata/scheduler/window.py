@@ -51,6 +51,11 @@ class WindowHeader:
     # group's previous window decides for its entry carry_from[i] (on the device).
     carry_rows: list[int] = field(default_factory=list)
     carry_from: list[int] = field(default_factory=list)
+    # KV blocks to copy before the window computes, on every stage (the conversation
+    # cache, kvcache/host.py): (device block, host block) out, then (host block, device
+    # block) back.
+    spills: list[tuple[int, int]] = field(default_factory=list)
+    restores: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def carry(self) -> bool:

@@ -26,6 +26,12 @@ class Metrics:
                                  "free, or cached and held by none", registry=r)
         self.used_blocks = Gauge("strata_kv_blocks_used", "KV blocks held by running "
                                  "requests (the pool: --kv-tokens / --block-size)", registry=r)
+        self.host_blocks = Gauge("strata_conversation_cache_blocks", "KV blocks the host-RAM "
+                                 "conversation cache holds (--conversation-cache-mib)",
+                                 registry=r)
+        self.restored_tokens = Counter("strata_conversation_cache_restored_tokens", "Prompt "
+                                       "tokens copied back from the host-RAM conversation "
+                                       "cache instead of computed", registry=r)
         self.preemptions = Counter("strata_preemptions", "Running requests whose KV blocks "
                                    "were taken back when the pool ran short (each computes "
                                    "its tokens again; raise --kv-tokens)", registry=r)
@@ -57,7 +63,7 @@ class Metrics:
         self._seen: dict[str, tuple[int, int]] = {}
         self._stage_seen: list[float] = []
         self._scheduler_seen = 0.0
-        self._cached_seen = self._preempted_seen = 0
+        self._cached_seen = self._preempted_seen = self._restored_seen = 0
 
     def observe_drafts(self, stats) -> None:
         """Add what the engine's DraftStats gained since the last call."""
@@ -70,10 +76,15 @@ class Metrics:
             self._seen[name] = (s.drafted, s.accepted)
 
     def observe_cache(self, pool, cached_tokens: int, preemptions: int = 0) -> None:
-        """The block pool's state, the prompt tokens the prefix cache saved so far and the
-        preemptions so far."""
-        if cached_tokens < self._cached_seen or preemptions < self._preempted_seen:
-            self._cached_seen = self._preempted_seen = 0  # a restarted engine counts afresh
+        """The block pool's state (with its host-RAM conversation cache), the prompt
+        tokens the prefix cache saved and the preemptions, so far."""
+        restored = pool.host.restored_blocks * pool.block_size if pool.host is not None else 0
+        if (cached_tokens < self._cached_seen or preemptions < self._preempted_seen
+                or restored < self._restored_seen):  # a restarted engine counts afresh
+            self._cached_seen = self._preempted_seen = self._restored_seen = 0
+        self.restored_tokens.inc(restored - self._restored_seen)
+        self._restored_seen = restored
+        self.host_blocks.set(len(pool.host) if pool.host is not None else 0)
         self.cached_tokens.inc(cached_tokens - self._cached_seen)
         self._cached_seen = cached_tokens
         self.preemptions.inc(preemptions - self._preempted_seen)

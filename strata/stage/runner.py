@@ -99,6 +99,7 @@ class ModelRunner:
         x = self._carried(header) if header.carry else header.token_ids
         for stage in self.stages:
             start = time.perf_counter()
+            stage.move_blocks(header)
             x = stage.forward(x, stage.prepare(header))
             # NOTE: no sync is added for this: on CUDA it is the stage's launch time
             seconds.append(time.perf_counter() - start)

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from strata.attention import AttentionBatch, get_backend
 from strata.config import EngineConfig
 from strata.errors import StrataError
-from strata.kvcache.cache import Cache, PagedKVCache, SlotStateCache, allocate
+from strata.kvcache.cache import Cache, HostBlocks, PagedKVCache, SlotStateCache, allocate
 from strata.kvcache.spec import CacheSize
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.fused import enable_compile
@@ -93,12 +93,18 @@ class Stage:
         self.keeps_state = any(isinstance(c, SlotStateCache) for c in self.caches)
         self.mtp_cache: PagedKVCache | None = (cache(arch.config.num_layers)
                                                if hasattr(self.module, "mtp") else None)
-        kv_bytes = sum(c.key.nbytes + c.value.nbytes for c in [*self.caches, self.mtp_cache]
-                       if isinstance(c, PagedKVCache))
+        paged = [c for c in self.caches if isinstance(c, PagedKVCache)]
+        kv_bytes = sum(c.key.nbytes + c.value.nbytes for c in [*paged, self.mtp_cache]
+                       if c is not None)
         if kv_bytes:
             log.info("stage %d KV cache on %s: %d tokens (%d blocks, --kv-tokens), %.0f MiB",
                      index, device, cache_size.num_blocks * cache_size.block_size,
                      cache_size.num_blocks, kv_bytes / 2**20)
+        self.host_blocks = (HostBlocks(paged, cache_size.host_blocks, cache_size.block_size)
+                            if cache_size.host_blocks and paged else None)
+        if self.host_blocks is not None:
+            log.info("stage %d conversation cache in host RAM: %d blocks, %.0f MiB", index,
+                     cache_size.host_blocks, self.host_blocks.nbytes / 2**20)
 
     def load(self, checkpoint, progress: tqdm | None = None) -> None:
         """Read this stage's tensors from the checkpoint (shapes checked), each placed on the
@@ -133,6 +139,11 @@ class Stage:
         with torch.cuda.device(self.device):
             graphs.capture()
         self.graphs = graphs
+
+    def move_blocks(self, header: WindowHeader) -> None:
+        """The window's conversation-cache copies (before it computes; kvcache/host.py)."""
+        if self.host_blocks is not None and (header.spills or header.restores):
+            self.host_blocks.copy(header.spills, header.restores)
 
     def prepare(self, header: WindowHeader) -> ForwardMeta | GraphCall:
         """What forward() needs for the window: its bucket's graph call (its metadata in the
