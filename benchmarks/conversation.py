@@ -8,7 +8,9 @@ commit and settings.
     .venv/bin/python benchmarks/conversation.py                          # default model, CPU
     .venv/bin/python benchmarks/conversation.py --devices cuda:0 --turns 6 --max-tokens 400
 
-The requests run one at a time through the engine in this process (no server).
+The requests run one at a time through the engine in this process (no server); the turns'
+requests are the `turns` workload's (strata/bench/workloads.py), which `strata bench
+--workloads turns` sends to servers.
 """
 
 from __future__ import annotations
@@ -19,18 +21,11 @@ import sys
 import time
 
 from strata.bench.report import commit, machine, markdown_table
-from strata.bench.workloads import edit_prompt
+from strata.bench.workloads import turn_request
 from strata.cli import add_engine_flags, engine_config
 from strata.errors import StrataError
 from strata.llm import LLM
 from strata.sampling.params import SamplingParams
-
-REQUESTS = ["Now add a docstring to every method that lacks one. Output the whole file.",
-            "Add type hints to every function. Output the whole file.",
-            "Rename the class to `Stock`. Output the whole file.",
-            "Sort the methods alphabetically. Output the whole file.",
-            "Add a `__repr__` method. Output the whole file.",
-            "Remove every comment. Output the whole file."]
 
 
 def turn(llm: LLM, messages: list[dict], max_tokens: int) -> dict:
@@ -53,13 +48,12 @@ def turn(llm: LLM, messages: list[dict], max_tokens: int) -> dict:
 
 
 def conversation(llm: LLM, turns: int, max_tokens: int) -> list[dict]:
-    messages = [{"role": "user", "content": edit_prompt("small")}]
-    out = []
-    for i in range(turns):
+    messages, out = [], []
+    for i in range(1, turns + 1):
+        messages.append({"role": "user", "content": turn_request(i, "small")})
         result = turn(llm, messages, max_tokens)
         out.append(result)
-        messages += [{"role": "assistant", "content": result["text"]},
-                     {"role": "user", "content": REQUESTS[i % len(REQUESTS)]}]
+        messages.append({"role": "assistant", "content": result["text"]})
     return out
 
 

@@ -3,7 +3,10 @@
 - code: write a new Python module to a short spec;
 - edit: return a shipped source file in full with one method renamed (copy-heavy; a ~2.4 KB
   and a ~11 KB file);
-- prose: write a short story.
+- prose: write a short story;
+- turns: a coding agent's conversation on the edit workload's file: the edit request, then
+  one new request per turn (`TURN_REQUESTS`), each sent with the whole conversation before
+  it (the file, every earlier request and answer). `strata bench` runs it only when named.
 """
 
 from __future__ import annotations
@@ -21,6 +24,13 @@ CODE = ("Write a Python module `ratelimit.py` with a class `TokenBucket(rate, ca
         "`time.monotonic`. Include docstrings and type hints.")
 PROSE = ("Write a short story of about 300 words about a lighthouse keeper who finds a "
          "message in a bottle.")
+# NOTE: turn 1 is the edit request; these follow it, one per turn, cycled past the last.
+TURN_REQUESTS = ("Now add a docstring to every method that lacks one. Output the whole file.",
+                 "Add type hints to every function. Output the whole file.",
+                 "Rename the class to `Stock`. Output the whole file.",
+                 "Sort the methods alphabetically. Output the whole file.",
+                 "Add a `__repr__` method. Output the whole file.",
+                 "Remove every comment. Output the whole file.")
 
 
 def edit_prompt(which: str = "small") -> str:
@@ -41,4 +51,13 @@ def workload(name: str, edit_file: str = "small") -> str:
     raise KeyError(f"unknown workload '{name}' (code, edit, prose)")
 
 
-WORKLOADS = ("code", "edit", "prose")
+def turn_request(turn: int, edit_file: str = "small") -> str:
+    """The new user message of the turns workload's turn `turn` (1-based): the edit request
+    first, then `TURN_REQUESTS`. The conversation before it is the sender's to keep."""
+    if turn < 1:
+        raise ValueError(f"turns count from 1 (got {turn})")
+    return edit_prompt(edit_file) if turn == 1 else TURN_REQUESTS[(turn - 2) % len(TURN_REQUESTS)]
+
+
+WORKLOADS = ("code", "edit", "prose")  # one request each: what `strata bench` runs by default
+TURNS = "turns"                        # a conversation: only when named
