@@ -155,14 +155,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           "(the project's [bench] extra)") from None
 
     run(bench_config(args.arm, args.url, args.name, args.api_key, args.workloads,
-                     edit_file=args.edit_file, users=args.users, max_tokens=args.max_tokens,
-                     timeout=args.timeout, start_timeout=args.start_timeout, out=args.out,
-                     record=args.record, plot=args.plot, seed=args.seed))
+                     edit_file=args.edit_file, users=args.users, turns=args.turns,
+                     max_tokens=args.max_tokens, timeout=args.timeout,
+                     start_timeout=args.start_timeout, out=args.out, record=args.record,
+                     plot=args.plot, seed=args.seed))
     return 0
 
 
 def add_bench_flags(parser: argparse.ArgumentParser) -> None:
-    from strata.bench.workloads import EDIT_FILES, WORKLOADS
+    from strata.bench.workloads import EDIT_FILES, TURNS, WORKLOADS
 
     parser.add_argument("--arm", action="append", default=[], metavar='NAME="FLAGS"',
                         help="a fresh `strata serve FLAGS` measured as NAME (repeatable)")
@@ -171,11 +172,16 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", help="the --url arm's name (default: the URL)")
     parser.add_argument("--api-key", help="the --url server's API key")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help=f"comma-separated, from {', '.join(WORKLOADS)}")
+                        help=f"comma-separated, from {', '.join((*WORKLOADS, TURNS))}; "
+                        f"{TURNS} (an agent's conversation re-sent every turn: first-token "
+                        "time per turn, tokens from the prefix cache) runs only when named")
     parser.add_argument("--edit-file", default="small",
-                        help=f"the edit workload's file: {', '.join(EDIT_FILES)}")
+                        help=f"the edit and turns workloads' file: {', '.join(EDIT_FILES)}")
     parser.add_argument("--users", type=int, default=4,
-                        help="concurrent requests of the N-users measurement")
+                        help="concurrent requests of the N-users measurement (and "
+                        "conversations of the turns workload)")
+    parser.add_argument("--turns", type=int, default=4,
+                        help="turns of each conversation of the turns workload")
     parser.add_argument("--max-tokens", type=int, default=900,
                         help="max_tokens of every request")
     parser.add_argument("--timeout", type=float, default=600.0,

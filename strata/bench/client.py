@@ -1,6 +1,7 @@
 """The requests of the protocol, sent with the official `openai` client so that any
 OpenAI-compatible server is measured the same way: one streamed chat completion
-(`measure`), two sequential ones (`solo`), N at once (`concurrent`).
+(`measure`), two sequential ones (`solo`), N at once (`concurrent`); the turns
+workload's conversations are in `turns`.
 
 A request's decode rate is (completion tokens - 1) / (last content chunk - first content
 chunk): the first token belongs to the prefill, as in the server's log line."""
@@ -16,28 +17,42 @@ from strata.bench.workloads import workload
 from strata.errors import StrataError
 
 
+def tag(key: str) -> str:
+    """`[8 hex chars] `, a hash of `key`: put before a request's first message, it keeps the
+    request from sharing a prompt prefix with any request of another key."""
+    return f"[{hashlib.sha256(key.encode()).hexdigest()[:8]}] "
+
+
 def prompt(name: str, edit_file: str, key: str) -> str:
     """The workload's user message behind a tag derived from `key`: a run's keys differ
     per request, so no prefix is reused within an arm, and every arm of the run gets the
     same keys, so arms are compared on the same prompts (and, greedy, the same answers)."""
-    tag = hashlib.sha256(key.encode()).hexdigest()[:8]
-    return f"[{tag}] " + workload(name, edit_file)
+    return tag(key) + workload(name, edit_file)
 
 
-def measure(client, model: str, text: str, max_tokens: int) -> dict:
-    """One streamed request: completion tokens, decode rate, wall and first-token time, and
-    the server's draft statistics (`usage.drafts`, a Strata extension; None elsewhere)."""
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def measure(client, model: str, messages: list[dict], max_tokens: int,
+            keep_text: bool = False) -> dict:
+    """One streamed request: prompt, cached and completion tokens, decode rate, wall and
+    first-token time, the server's draft statistics (`usage.drafts`, a Strata extension;
+    None elsewhere) and, if `keep_text`, the answer. `cached_tokens` is None where the
+    server does not report `usage.prompt_tokens_details`."""
     start = time.perf_counter()
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": text}], temperature=0,
+        model=model, messages=messages, temperature=0,
         max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
         extra_body={"reasoning_effort": "none"})
     first = last = None
     usage = None
+    pieces = []
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             last = time.perf_counter()
             first = first or last
+            pieces.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             usage = chunk.usage
     wall = time.perf_counter() - start
@@ -46,11 +61,17 @@ def measure(client, model: str, text: str, max_tokens: int) -> dict:
                           "stream_options.include_usage; its token counts are unknown")
     tokens = usage.completion_tokens
     decode_s = (last - first) if first is not None else 0.0
+    details = getattr(usage, "prompt_tokens_details", None)
     drafts = (usage.model_extra or {}).get("drafts")
-    return {"completion_tokens": tokens,
-            "decode_tok_s": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None,
-            "wall_s": wall, "first_token_s": (first - start) if first is not None else None,
-            "drafts": drafts}
+    out = {"prompt_tokens": getattr(usage, "prompt_tokens", None),
+           "cached_tokens": getattr(details, "cached_tokens", None),
+           "completion_tokens": tokens,
+           "decode_tok_s": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None,
+           "wall_s": wall, "first_token_s": (first - start) if first is not None else None,
+           "drafts": drafts}
+    if keep_text:
+        out["text"] = "".join(pieces)
+    return out
 
 
 def mean(values: list) -> float | None:
@@ -72,7 +93,7 @@ def draft_totals(requests: list[dict]) -> dict | None:
 
 def solo(client, model: str, name: str, edit_file: str, max_tokens: int, seed: int) -> dict:
     """1 user: two sequential requests; the mean of their decode rates."""
-    requests = [measure(client, model, prompt(name, edit_file, f"{seed}:{name}:solo:{i}"),
+    requests = [measure(client, model, user(prompt(name, edit_file, f"{seed}:{name}:solo:{i}")),
                         max_tokens) for i in range(2)]
     return {"requests": requests, "decode_tok_s": mean([r["decode_tok_s"] for r in requests]),
             "drafts": draft_totals(requests)}
@@ -87,7 +108,7 @@ def concurrent(client, model: str, name: str, edit_file: str, max_tokens: int,
 
     def one(text: str) -> dict:
         ready.wait()
-        return measure(client, model, text, max_tokens)
+        return measure(client, model, user(text), max_tokens)
 
     pool = ThreadPoolExecutor(users)
     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from strata.bench.workloads import EDIT_FILES, WORKLOADS
+from strata.bench.workloads import EDIT_FILES, TURNS, WORKLOADS
 from strata.errors import StrataError
 
 SIMULATE_FLAG = "--simulate-acceptance"
@@ -67,6 +67,7 @@ class BenchConfig:
     workloads: tuple[str, ...] = WORKLOADS
     edit_file: str = "small"
     users: int = 4
+    turns: int = 4                # turns of the turns workload's conversations
     max_tokens: int = 900
     timeout: float = 600.0        # per request, seconds
     start_timeout: float = 900.0  # a started server must answer /health 200 within it
@@ -83,15 +84,18 @@ class BenchConfig:
         if len(set(names)) != len(names):
             raise StrataError(f"arm names must differ (got {', '.join(names)}); "
                               "name a --url arm with --name")
-        unknown = [w for w in self.workloads if w not in WORKLOADS]
+        unknown = [w for w in self.workloads if w not in (*WORKLOADS, TURNS)]
         if unknown or not self.workloads:
             raise StrataError(f"--workloads {','.join(self.workloads) or '(empty)'}: choose "
-                              f"from {', '.join(WORKLOADS)}, comma-separated")
+                              f"from {', '.join((*WORKLOADS, TURNS))}, comma-separated")
         if self.edit_file not in EDIT_FILES:
             raise StrataError(f"--edit-file {self.edit_file} is not one of "
                               f"{', '.join(EDIT_FILES)}")
         if self.users < 1:
             raise StrataError(f"--users must be at least 1 (got {self.users})")
+        if self.turns < 2:
+            raise StrataError(f"--turns must be at least 2 (got {self.turns}): the prefix "
+                              "cache shows from turn 2")
         if self.max_tokens < 2:
             raise StrataError(f"--max-tokens must be at least 2 (got {self.max_tokens}): a "
                               "decode rate needs a first and a last token")
@@ -101,6 +105,14 @@ class BenchConfig:
             raise StrataError(f"--seed must be >= 0 (got {self.seed})")
         if self.plot is not None and not self.plot.lower().endswith(".png"):
             raise StrataError(f"--plot {self.plot}: give a file name ending in .png")
+        if self.plot is not None and not self.request_workloads:
+            raise StrataError(f"--plot draws the {', '.join(WORKLOADS)} table: name one of "
+                              "them in --workloads (the turns workload prints a table only)")
+
+    @property
+    def request_workloads(self) -> tuple[str, ...]:
+        """The chosen workloads of one request each (the speed table's columns)."""
+        return tuple(w for w in self.workloads if w != TURNS)
 
 
 def bench_config(arm_texts: list[str], url: str | None, name: str | None,

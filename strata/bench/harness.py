@@ -1,7 +1,8 @@
 """`strata bench`: the coding-agent protocol against every arm — a fresh `strata serve` per
 arm, or an existing OpenAI-compatible URL — then the tables, the raw JSON, and optionally
 a results line and a plot. It owns the order of the measurements; the requests themselves
-are in `client`, the server processes in `process`, the rounding in `table`."""
+are in `client` (the turns workload's conversations in `turns`), the server processes in
+`process`, the rounding in `table`."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ from pathlib import Path
 
 import httpx
 
-from strata.bench.client import concurrent, measure, solo
+from strata.bench.client import concurrent, measure, solo, user
 from strata.bench.config import Arm, BenchConfig
 from strata.bench.process import log_tail, served
 from strata.bench.report import RESULTS, append_result, commit, machine
 from strata.bench.stages import BusyMeter
-from strata.bench.table import acceptance_table, busy_table, rate, speed_table
+from strata.bench.table import (acceptance_table, busy_table, rate, request_workloads,
+                                speed_table, turns_table)
+from strata.bench.turns import conversations
+from strata.bench.workloads import TURNS
 from strata.errors import StrataError
 
 WARMUP_TOKENS = 8
@@ -62,8 +66,9 @@ def openai_client(base_url: str, api_key: str | None, timeout: float):
 
 def measure_arm(base_url: str, api_key: str | None, config: BenchConfig, progress: Progress,
                 where: str, seed: int) -> tuple[str, dict]:
-    """The served model's name and {workload: {"solo": ..., "concurrent": ...}}; `seed`
-    keys the prompts' tags (the same for every arm of a run)."""
+    """The served model's name and {workload: {"solo": ..., "concurrent": ...}} (the turns
+    workload: {"users": N, "turns": [...]}); `seed` keys the prompts' tags (the same for
+    every arm of a run)."""
     # NOTE: closing the client on the way out (an error, Ctrl-C) drops any streams still
     # running in other threads, so the server aborts them and stops at once.
     with openai_client(base_url, api_key, config.timeout) as client:
@@ -72,9 +77,16 @@ def measure_arm(base_url: str, api_key: str | None, config: BenchConfig, progres
             raise StrataError(f"{base_url}/models lists no model")
         model = models[0].id
         progress(f"{where}: warm-up")
-        measure(client, model, f"[{secrets.token_hex(4)}] {WARMUP_PROMPT}", WARMUP_TOKENS)
+        measure(client, model, user(f"[{secrets.token_hex(4)}] {WARMUP_PROMPT}"), WARMUP_TOKENS)
         out = {}
         for name in config.workloads:
+            if name == TURNS:
+                out[name] = conversations(
+                    client, model, config.edit_file, config.max_tokens, config.users,
+                    config.turns, seed, on_turn=lambda t: progress(
+                        f"{where}: {TURNS}, turn {t}/{config.turns} "
+                        f"({config.users} conversations)"))
+                continue
             progress(f"{where}: {name}, 1 user (2 requests of {config.max_tokens} tokens)")
             with BusyMeter(base_url) as meter:
                 result = {"solo": solo(client, model, name, config.edit_file,
@@ -111,15 +123,21 @@ def run_arm(arm: Arm, index: int, config: BenchConfig, log_dir: Path | None,
     except (openai_module().OpenAIError, httpx.HTTPError) as e:  # connection, timeout, status
         tail = f"; the end of its log {log}:\n{log_tail(log)}" if log is not None else ""
         raise StrataError(f"arm '{arm.name}': {type(e).__name__}: {e}{tail}") from None
-    reported = any((w[part]["drafts"] or {}).get("simulated", False)
-                   for w in workloads.values() for part in ("solo", "concurrent") if part in w)
+    parts = [w[p] for w in workloads.values() for p in ("solo", "concurrent") if p in w]
+    parts += workloads[TURNS]["turns"] if TURNS in workloads else []
+    reported = any((part["drafts"] or {}).get("simulated", False) for part in parts)
     return {**record, "model": model, "simulated": arm.simulated or reported,
             "workloads": workloads}
 
 
 def summary(results: dict) -> dict:
-    """The results line for benchmarks/results.jsonl: rates and acceptance, no requests."""
+    """The results line for benchmarks/results.jsonl: rates and acceptance (per turn for the
+    turns workload), no requests."""
     def brief(w: dict) -> dict:
+        if "turns" in w:
+            return {"users": w["users"], "turns": [
+                {k: v for k, v in t.items() if k not in ("requests", "drafts")}
+                for t in w["turns"]]}
         many = w.get("concurrent") or {}
         drafts = w["solo"]["drafts"] or {}
         return {"solo_tok_s": w["solo"]["decode_tok_s"], "users_tok_s": many.get("total_tok_s"),
@@ -135,20 +153,26 @@ def summary(results: dict) -> dict:
 def print_results(results: dict) -> None:
     print(f"machine: {results['machine']}\ncommit: {results['commit']}")
     s = results["settings"]
+    turns = f" turns={s['turns']}" if TURNS in s["workloads"] else ""
     print(f"settings: workloads={','.join(s['workloads'])} edit_file={s['edit_file']} "
-          f"users={s['users']} max_tokens={s['max_tokens']} temperature=0 "
+          f"users={s['users']}{turns} max_tokens={s['max_tokens']} temperature=0 "
           f"reasoning_effort=none seed={s.get('seed')}")
     for arm in results["arms"]:
         where = f"strata serve {arm['flags']}".rstrip() if arm["url"] is None else arm["url"]
         print(f"arm {arm['name']}: {where} (model {arm['model']})")
-    print()
-    print(speed_table(results))
-    print()
-    print(acceptance_table(results))
-    busy = busy_table(results)
-    if busy:
+    if request_workloads(s):
         print()
-        print(busy)
+        print(speed_table(results))
+        print()
+        print(acceptance_table(results))
+        busy = busy_table(results)
+        if busy:
+            print()
+            print(busy)
+    if TURNS in s["workloads"]:
+        for arm in results["arms"]:
+            print()
+            print(turns_table(arm))
     simulated = [a["name"] for a in results["arms"] if a["simulated"]]
     if simulated:
         print(f"\nnote: simulated arms ({', '.join(simulated)}) accept drafts at a fixed "
@@ -187,7 +211,8 @@ def run(config: BenchConfig) -> dict:
                "machine": machine(), "commit": commit(),
                "log_dir": str(log_dir) if started else None,
                "settings": {"workloads": list(config.workloads), "edit_file": config.edit_file,
-                            "users": config.users, "max_tokens": config.max_tokens,
+                            "users": config.users, "turns": config.turns,
+                            "max_tokens": config.max_tokens,
                             "timeout_s": config.timeout, "warmup_tokens": WARMUP_TOKENS,
                             "seed": seed},
                "arms": []}

@@ -4,7 +4,7 @@ dependency; `require_matplotlib` fails early, before any server starts."""
 
 from __future__ import annotations
 
-from strata.bench.table import label
+from strata.bench.table import label, request_workloads
 from strata.errors import StrataError
 
 
@@ -23,7 +23,7 @@ def plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     settings, arms = results["settings"], results["arms"]
-    workloads, users = settings["workloads"], settings["users"]
+    workloads, users = request_workloads(settings), settings["users"]
     series = [("1 user", lambda r: r["solo"]["decode_tok_s"])]
     if users > 1:
         series.append((f"{users} users", lambda r: r["concurrent"]["total_tok_s"]))

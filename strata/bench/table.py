@@ -1,10 +1,13 @@
-"""The two tables `strata bench` prints, built from its raw results: speed (1 user and N
-users per workload, one row per arm) and draft acceptance on the solo path. The numbers
-are rounded here and only here, so the printed table and the JSON agree."""
+"""The tables `strata bench` prints, built from its raw results: speed (1 user and N
+users per workload, one row per arm), draft acceptance on the solo path and stage busy
+fractions for the workloads of one request each; and per arm, the turns workload's table
+(one row per turn). The numbers are rounded here and only here, so the printed table and
+the JSON agree."""
 
 from __future__ import annotations
 
 from strata.bench.report import markdown_table
+from strata.bench.workloads import TURNS
 
 
 def rate(value: float | None) -> str:
@@ -16,6 +19,12 @@ def rate(value: float | None) -> str:
 
 def label(arm: dict) -> str:
     return arm["name"] + (" (simulated)" if arm["simulated"] else "")
+
+
+def request_workloads(settings: dict) -> list[str]:
+    """The run's workloads of one request each: the columns of the speed, acceptance and
+    busy tables (the turns workload has its own table)."""
+    return [w for w in settings["workloads"] if w != TURNS]
 
 
 def speed_cell(result: dict) -> str:
@@ -31,9 +40,9 @@ def speed_table(results: dict) -> str:
     """| tok/s | code: 1 user / 4 users | ... | with '139 / 209 (56-62 each)' cells."""
     settings = results["settings"]
     users = settings["users"]
-    columns = [f"{w}: 1 user" + (f" / {users} users" if users > 1 else "")
-               for w in settings["workloads"]]
-    rows = [[label(arm)] + [speed_cell(arm["workloads"][w]) for w in settings["workloads"]]
+    workloads = request_workloads(settings)
+    columns = [f"{w}: 1 user" + (f" / {users} users" if users > 1 else "") for w in workloads]
+    rows = [[label(arm)] + [speed_cell(arm["workloads"][w]) for w in workloads]
             for arm in results["arms"]]
     return markdown_table(["tok/s", *columns], rows)
 
@@ -47,7 +56,7 @@ def acceptance_cell(drafts: dict | None) -> str:
 def acceptance_table(results: dict) -> str:
     """Accepted / drafted tokens of the two solo requests; '-' where no drafts were
     reported (drafting off, or a server without Strata's usage.drafts)."""
-    workloads = results["settings"]["workloads"]
+    workloads = request_workloads(results["settings"])
     rows = [[label(arm)] + [acceptance_cell(arm["workloads"][w]["solo"]["drafts"])
                             for w in workloads] for arm in results["arms"]]
     return markdown_table(["draft acceptance, 1 user", *workloads], rows)
@@ -65,7 +74,7 @@ def busy_cell(result: dict | None) -> str:
 def busy_table(results: dict) -> str | None:
     """Each stage's busy fraction (stage 0 first) and the scheduler's during the 1-user
     and N-user runs; None when no arm reported stage counters."""
-    workloads = results["settings"]["workloads"]
+    workloads = request_workloads(results["settings"])
     parts = ("solo", "concurrent") if results["settings"]["users"] > 1 else ("solo",)
     rows = [[label(arm)] + [" / ".join(busy_cell(arm["workloads"][w].get(p)) for p in parts)
                             for w in workloads] for arm in results["arms"]]
@@ -74,3 +83,27 @@ def busy_table(results: dict) -> str | None:
     users = results["settings"]["users"]
     title = "stage busy fraction, 1 user" + (f" / {users} users" if users > 1 else "")
     return markdown_table([title, *workloads], rows)
+
+
+def tokens(value: float | None) -> str:
+    """A median token count: whole, or .5 between two users; '-' if unknown."""
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if value == int(value) else f"{value:.1f}"
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
+
+
+def turns_table(arm: dict) -> str:
+    """| turn: ARM, median of N users | prompt tokens | cached tokens | first token ms |
+    decode tok/s |, one row per turn."""
+    result = arm["workloads"][TURNS]
+    users = result["users"]
+    title = f"turn: {label(arm)}" + (f", median of {users} users" if users > 1 else "")
+    rows = [[t["turn"], tokens(t["prompt_tokens_median"]), tokens(t["cached_tokens_median"]),
+             ms(t["first_token_s_median"]), rate(t["decode_tok_s_median"])]
+            for t in result["turns"]]
+    return markdown_table([title, "prompt tokens", "cached tokens", "first token ms",
+                           "decode tok/s"], rows)
