@@ -142,7 +142,7 @@ def test_turns_runs_only_when_named():
     assert BenchConfig(arms=(Arm("a", ""),)).workloads == WORKLOADS
     assert "turns" not in WORKLOADS
     config = bench_config(["a="], None, None, None, "edit,turns", turns=6)
-    assert config.workloads == ("edit", "turns") and config.request_workloads == ("edit",)
+    assert config.workloads == ("edit", "turns") and config.turns == 6
 
 
 @pytest.mark.parametrize("workloads, settings, needle", [

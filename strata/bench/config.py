@@ -105,14 +105,9 @@ class BenchConfig:
             raise StrataError(f"--seed must be >= 0 (got {self.seed})")
         if self.plot is not None and not self.plot.lower().endswith(".png"):
             raise StrataError(f"--plot {self.plot}: give a file name ending in .png")
-        if self.plot is not None and not self.request_workloads:
+        if self.plot is not None and set(self.workloads) == {TURNS}:
             raise StrataError(f"--plot draws the {', '.join(WORKLOADS)} table: name one of "
                               "them in --workloads (the turns workload prints a table only)")
-
-    @property
-    def request_workloads(self) -> tuple[str, ...]:
-        """The chosen workloads of one request each (the speed table's columns)."""
-        return tuple(w for w in self.workloads if w != TURNS)
 
 
 def bench_config(arm_texts: list[str], url: str | None, name: str | None,
