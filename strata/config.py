@@ -115,7 +115,7 @@ class EngineConfig:
         "on: a request whose prompt starts with the same full blocks of tokens as a live or "
         "finished request reuses their KV blocks (kept while the pool has room, least "
         "recently used given back first) and computes only the rest; off: every prompt is "
-        "computed whole. Not yet for models with recurrent layers or with MTP drafts",
+        "computed whole. Not yet for models with recurrent layers",
         choices=("on", "off")))
     spec: int = field(default=8, metadata=_opt(
         "most draft tokens per slot per window (0 turns drafting off); suffix drafts of long "

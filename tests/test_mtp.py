@@ -110,3 +110,42 @@ def test_mtp_is_offered_only_where_the_model_has_it(mtp_models, tiny_models):
         Engine(EngineConfig(model=str(tiny_models["llama"][0]), spec_type=("mtp",)))
     engine = Engine(EngineConfig(model=str(mtp_models["glm4_moe"]), max_context=64))
     assert [p.name for p in engine.scheduler.drafts.proposers] == ["suffix", "lookup", "mtp"]
+
+
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu")])  # the last: 2 processes
+def test_prefix_reuse_keeps_the_same_mtp_drafts(mtp_models, devices):
+    """A prompt that starts with a finished request's blocks reuses them; its first window
+    runs the last cached token again (its KV not written) so the MTP layer has that
+    token's hidden state: the drafts, and so the counts, are those of computing it all."""
+    folder = mtp_models["glm4_moe"]
+    first, more = prompts(2, 320, seed=4, low=30, high=31)
+    second = first + more[:6]
+
+    def run(prefix_cache: str):
+        engine = Engine(EngineConfig(model=str(folder), spec=3, spec_type=("mtp",),
+                                     spec_min_p=0.0, spec_token_cost=0.0, parallel=1,
+                                     block_size=4, max_context=128, prefix_cache=prefix_cache,
+                                     layer_split=(2,) if len(devices) > 1 else (),
+                                     devices=devices, stage_threads=1))
+        try:
+            engine.generate([first], GREEDY)
+            request = engine.add_request(second, GREEDY)
+            engine.step()  # the prompt's window: the MTP layer's keys at positions 1..36
+            mtp_keys = None
+            if len(devices) == 1:
+                table = engine.scheduler.slots[0].block_table
+                rows = torch.tensor(table.rows(1, len(second)))
+                mtp_keys = engine.runner.stages[-1].mtp_cache.key[rows].clone()
+            while engine.has_work:
+                engine.step()
+        finally:
+            engine.close()
+        stats = request.draft_stats
+        return (request.output_ids, (stats.drafted, stats.accepted), request.num_cached_tokens,
+                mtp_keys)
+
+    on, off = run("on"), run("off")
+    assert on[:2] == off[:2] and on[1][0] > 0
+    assert on[2] == 27 and off[2] == 0  # 7 blocks, less the token run again
+    if on[3] is not None:  # every MTP key is there, the one after the cached blocks too
+        assert torch.allclose(on[3], off[3], atol=1e-5)

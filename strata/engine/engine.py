@@ -78,11 +78,10 @@ class Engine:
         # token and each draft of a window (so drafts are capped at --spec here).
         max_drafts = config.spec if stateful and policy is not None else None
         rows_per_slot = 2 + (max_drafts or 0) if stateful else 0
-        prefix_cache = config.prefix_cache == "on" and not stateful and not use_mtp
+        prefix_cache = config.prefix_cache == "on" and not stateful
         if config.prefix_cache == "on" and not prefix_cache:
-            log.info("the prefix cache is off: %s", "it cannot yet restore a recurrent "
-                     "layer's state" if stateful else "the MTP layer would miss the last "
-                     "cached token's hidden state")
+            log.info("the prefix cache is off: it cannot yet restore a recurrent layer's "
+                     "state")
         self.scheduler = Scheduler(config.parallel, self.max_context, config.max_window_tokens,
                                    config.block_size, policy,
                                    mtp_drafts=config.spec if use_mtp else 0,

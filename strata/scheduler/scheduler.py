@@ -371,7 +371,7 @@ class Scheduler:
             self._told_waiting.discard(request.request_id)
             request.status = RequestStatus.RUNNING
             slot.assign(request)
-            slot.reuse_prefix(hits)
+            slot.reuse_prefix(hits, replay=bool(self.mtp_drafts))
             if request.num_preemptions:
                 continue  # its proposers kept it, its cached tokens were counted
             request.num_cached_tokens = slot.num_computed
@@ -477,7 +477,8 @@ class Scheduler:
                 source = (self._latest[group].header.state_rows[carried[0], 1].item()
                           if carried else slot.state_current)
                 state_rows.append(slot.state_order(source))
-            if start < len(slot.keys) * self.pool.block_size:
+            replay = start == len(slot.keys) * self.pool.block_size - 1 and self.mtp_drafts
+            if start < len(slot.keys) * self.pool.block_size and not replay:
                 raise RuntimeError(f"a window would write position {start} of slot "
                                    f"{slot.index}, inside its shared or cached blocks")
             starts.append(start)
@@ -489,7 +490,10 @@ class Scheduler:
             if slot.draft is not None:
                 tokens.extend(slot.draft.tokens)
             positions.extend(range(start, start + count))
-            rows.extend(slot.block_table.rows(start, start + count))
+            entry_rows = slot.block_table.rows(start, start + count)
+            if replay:  # the last cached token runs again for its hidden state: its KV
+                entry_rows[0] = self.cache_size.padding_block * self.pool.block_size  # is cached
+            rows.extend(entry_rows)
             tables.append(slot.block_table.blocks)
             sample = end == num_tokens
             samples.append(sample)

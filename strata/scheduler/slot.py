@@ -48,14 +48,16 @@ class Slot:
         self.state_current = None
         self.keys = []
 
-    def reuse_prefix(self, hits: list[tuple[bytes, int | None]]) -> None:
+    def reuse_prefix(self, hits: list[tuple[bytes, int | None]], replay: bool = False) -> None:
         """Take the cached blocks `hits` ((key, block) of the request's leading full
         blocks, BlockPool.cached_prefix: on the device, or None for those copied back
-        from host RAM) and start computing after them."""
+        from host RAM) and start computing after them; `replay`: from their last token,
+        whose hidden state the MTP layer needs (its KV is not written again: the
+        scheduler sends it to the padding row)."""
         pool = self.block_table.pool
         self.block_table.blocks = pool.take(hits)
         self.keys = [key for key, _ in hits]
-        self.num_computed = len(hits) * pool.block_size
+        self.num_computed = max(0, len(hits) * pool.block_size - replay)
         if hits and pool.host is not None:
             pool.host.touch(self.keys[-1])
 
