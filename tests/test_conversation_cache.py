@@ -158,3 +158,28 @@ def test_stage_processes_copy_blocks_on_every_stage(tiny_models):
     finally:
         e.close()
     assert got[:-1] == reference[:-1] and got[-1][0] >= 24
+
+
+def test_a_stream_of_conversations_keeps_to_the_bounds(tiny_models):
+    """Ten agents' two turns each, three at a time, through a device pool of three blocks
+    and a host cache of one MiB for three conversations: every answer is what computing it
+    gives, and the host cache never holds more than its blocks or conversations."""
+    folder = tiny_models["llama"][0]
+    g = torch.Generator().manual_seed(9)
+    firsts = [torch.randint(0, 320, (70,), generator=g).tolist() for _ in range(10)]
+    settings = dict(model=str(folder), parallel=1, block_size=64, max_context=192,
+                    kv_tokens=192, spec=6, stage_threads=1)
+    reference = Engine(EngineConfig(prefix_cache="off", **settings))
+    e = Engine(EngineConfig(conversation_cache_mib=1, conversation_cache_slots=3, **settings))
+    host, stage = e.scheduler.pool.host, e.runner.stages[0]
+    assert stage.host_blocks.nbytes <= 2**20 and host.num_blocks == 16
+    answers: dict[int, list[int]] = {}
+    order = [(i, turn) for batch in (range(0, 3), range(3, 6), range(6, 9), range(9, 10))
+             for turn in (1, 2) for i in batch]
+    for i, turn in order:  # three conversations' first turns, then their second turns
+        prompt = firsts[i] if turn == 1 else firsts[i] + answers[i] + [7, 8, 9]
+        got, want = e.generate([prompt], GREEDY)[0], reference.generate([prompt], GREEDY)[0]
+        assert got == want
+        answers[i] = got
+        assert len(host) <= host.num_blocks and len(host.conversations) <= 3
+    assert host.restored_blocks > 0

@@ -203,3 +203,37 @@ def test_stage_processes_with_groups_in_flight_give_the_same_output(tiny_models)
         assert e.scheduler.preemptions > 0
     finally:
         e.close()
+
+
+# -- the server -------------------------------------------------------------------------------
+def test_the_server_serves_more_long_requests_than_its_pool_holds(tiny_served_model, tmp_path):
+    """Six long requests at once into a pool that holds fewer than two: they wait and are
+    preempted, and each ends with the text it gives alone; the server stays up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import openai
+
+    from server_utils import running_server
+    prompts = [f"Request {i}: " + "please count the words of this sentence. " * 30
+               for i in range(6)]
+    with running_server("--model", str(tiny_served_model), "--parallel", "4",
+                        "--max-context", "512", "--kv-tokens", "512",
+                        log=tmp_path / "serve.log") as (base, _):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+
+        def complete(prompt: str):
+            return client.completions.create(model=model, prompt=prompt, max_tokens=48,
+                                             temperature=0).choices[0]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(complete, prompts))
+        metrics = httpx.get(base + "/metrics").text
+        alone = [complete(p) for p in prompts]
+        assert httpx.get(base + "/health").status_code == 200
+    assert [c.text for c in together] == [c.text for c in alone]
+    assert all(c.finish_reason == "length" for c in together)
+    preempted = [line for line in metrics.splitlines()
+                 if line.startswith("strata_preemptions_total")]
+    assert preempted and float(preempted[0].split()[-1]) > 0
