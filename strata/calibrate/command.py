@@ -132,7 +132,7 @@ def measure_profile(config: EngineConfig, options: CalibrateOptions
          f"tokens with --layer-split {','.join(map(str, split)) or '(none)'}")
     run = live_run(replace(base, batch_groups=1), checkpoint, prompts, options.max_tokens)
     profile = fold_run(profile, split, run, pipelined=base.stage_processes,
-                       timed=all(cpu) or base.stage_processes)
+                       blocking=all(cpu))
     if base.stage_processes and sum(cpu) > 1:
         profile = fit_efficiency(profile, base, checkpoint, next(iter(prompts.values())),
                                  options.users)
@@ -170,10 +170,12 @@ def fit_efficiency(profile: CostProfile, config: EngineConfig, checkpoint,
 
 
 def fold_run(profile: CostProfile, split: tuple[int, ...], run, pipelined: bool,
-             timed: bool) -> CostProfile:
-    """Scale each stage's curves to the seconds the live run measured for it (`timed`:
-    its stage seconds are compute, not launch times), and give the rest of the run's time
-    to the hops (stage processes) or the engine's host time."""
+             blocking: bool) -> CostProfile:
+    """Scale each stage's curves to the seconds the live run measured for it (CPU time,
+    or GPU time from CUDA events), and give the rest of the run's time to the hops (stage
+    processes) or the engine's host time (`blocking`: stages on the CPU in the engine's
+    process, which compute inside its steps; on a GPU the engine's host time overlaps
+    the windows', so the run's own count of it is taken)."""
     windows = max(len(run.windows), 1)
     stages = profile.stage_costs(split)
     layers, first, last = list(profile.layers), profile.first, profile.last
@@ -183,7 +185,7 @@ def fold_run(profile: CostProfile, split: tuple[int, ...], run, pipelined: bool,
         measured = sum(seconds[s] for _, seconds in run.windows if len(seconds) > s)
         predicted = sum(curve(tokens) for tokens, _ in run.windows)
         measured_total += measured
-        if not timed or predicted <= 0 or measured <= 0:
+        if predicted <= 0 or measured <= 0:
             continue
         factor = measured / predicted
         for i in range(bounds[s], bounds[s + 1]):
@@ -196,7 +198,7 @@ def fold_run(profile: CostProfile, split: tuple[int, ...], run, pipelined: bool,
         host = run.host
         hop = max(run.wall - measured_total - host, 0.0) / (windows * (len(stages) + 1))
     else:  # stages run inside the engine's steps: whatever they did not take
-        host, hop = (max(run.wall - measured_total, 0.0) if timed else run.host), 0.0
+        host, hop = (max(run.wall - measured_total, 0.0) if blocking else run.host), 0.0
     acceptance = {k: round(v, 4) for k, v in run.acceptance.items()}
     traces = {name: [[list(t.prompt), list(t.output)] for t in runs]
               for name, runs in run.traces.items()}

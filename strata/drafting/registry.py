@@ -3,7 +3,6 @@ Adding a proposer touches its own file and one line here."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 from strata.config import EngineConfig
@@ -13,8 +12,6 @@ from strata.drafting.pricing import DraftPricing
 from strata.drafting.proposer import Proposer
 from strata.errors import StrataError
 from strata.models.config import ModelConfig
-
-log = logging.getLogger("strata.engine")
 
 
 def _suffix(config: EngineConfig) -> Proposer | None:
@@ -68,11 +65,10 @@ def build_policy(config: EngineConfig, model: ModelConfig) -> DraftPolicy | None
     return DraftPolicy(proposers, config.spec_token_cost, pricing, load)
 
 
-def load_pricing(config: EngineConfig, model: ModelConfig) -> LoadPricing | None:
+def load_pricing(config: EngineConfig, model: ModelConfig) -> LoadPricing:
     """`--spec-pricing load`: the stage costs of --profile for this split, else fitted
-    from each window's stage seconds (stage processes, or stages on the CPU in this
-    process, which run one after another: one curve). None where neither can be had
-    (stages on a GPU in this process report launch times, not compute)."""
+    from each window's stage seconds (stage processes; or the stages in this process,
+    which run one after another: one curve, their GPU time on CUDA)."""
     pipelined = config.stage_processes
     if config.profile is not None:
         from strata.calibrate.profile import load_profile
@@ -82,10 +78,4 @@ def load_pricing(config: EngineConfig, model: ModelConfig) -> LoadPricing | None
                               f"{profile.num_layers} layers, this one has {model.num_layers}; "
                               "calibrate this model")
         return from_profile(profile, config)
-    if pipelined:
-        return LoadPricing(len(config.layer_split) + 1)
-    if all(config.stage_device(i).type == "cpu" for i in range(len(config.layer_split) + 1)):
-        return LoadPricing(1)
-    log.info("--spec-pricing load without --profile cannot time stages on a GPU in this "
-             "process: drafts keep --spec-token-cost (run strata calibrate)")
-    return None
+    return LoadPricing(len(config.layer_split) + 1 if pipelined else 1)

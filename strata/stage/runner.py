@@ -95,16 +95,24 @@ class ModelRunner:
         returns once the work is queued, so the engine schedules the next group's window
         while the GPU computes."""
         header = window.header
-        seconds = []
+        seconds, events = [], []
         x = self._carried(header) if header.carry else header.token_ids
         for stage in self.stages:
             start = time.perf_counter()
+            pair = None
+            if stage.device.type == "cuda":  # its GPU time, read once the window is done
+                pair = (torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True))
+                pair[0].record()
             stage.move_blocks(header)
             x = stage.forward(x, stage.prepare(header))
-            # NOTE: no sync is added for this: on CUDA it is the stage's launch time
+            if pair is not None:
+                pair[1].record()
             seconds.append(time.perf_counter() - start)
+            events.append(pair)
         logits, hidden = x
-        self._queue.append((window, self.last.launch(header, logits, hidden), seconds))
+        self._queue.append((window, self.last.launch(header, logits, hidden),
+                            (seconds, events)))
 
     def _carried(self, header: WindowHeader) -> torch.Tensor:
         """The input token ids of a window built ahead, on the device: at its carry_rows
@@ -129,12 +137,14 @@ class ModelRunner:
 
     def collect(self) -> tuple[Window, WindowResult]:
         """Read back the oldest window launched (its one host read waits for the GPU)."""
-        window, launched, seconds = self._queue.popleft()
+        window, launched, (seconds, events) = self._queue.popleft()
         start = time.perf_counter()
         launched.wait()  # for this window only: windows launched after it go on computing
         self.device_wait_seconds += time.perf_counter() - start
         result = self.last.finish(launched)
-        result.stage_seconds = seconds
+        result.stage_seconds = [  # a CUDA stage's GPU time, a CPU stage's own
+            spent if pair is None else pair[0].elapsed_time(pair[1]) / 1e3
+            for spent, pair in zip(seconds, events)]
         return window, result
 
     def close(self) -> None:
