@@ -112,23 +112,28 @@ def test_mtp_is_offered_only_where_the_model_has_it(mtp_models, tiny_models):
     assert [p.name for p in engine.scheduler.drafts.proposers] == ["suffix", "lookup", "mtp"]
 
 
-@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu")])  # the last: 2 processes
-def test_prefix_reuse_keeps_the_same_mtp_drafts(mtp_models, devices):
-    """A prompt that starts with a finished request's blocks reuses them; its first window
-    runs the last cached token again (its KV not written) so the MTP layer has that
-    token's hidden state: the drafts, and so the counts, are those of computing it all."""
+@pytest.mark.parametrize("devices,host", [(("cpu",), False), (("cpu",), True),
+                                          (("cpu", "cpu"), False)])  # the last: 2 processes
+def test_prefix_reuse_keeps_the_same_mtp_drafts(mtp_models, devices, host):
+    """A prompt that starts with a finished request's blocks reuses them (`host`: after
+    they went to host RAM and back); its first window runs the last cached token again
+    (its KV not written) so the MTP layer has that token's hidden state: the drafts, and
+    so the counts, are those of computing it all."""
     folder = mtp_models["glm4_moe"]
-    first, more = prompts(2, 320, seed=4, low=30, high=31)
+    first, more, other = prompts(3, 320, seed=4, low=30, high=31)
     second = first + more[:6]
 
     def run(prefix_cache: str):
+        evict = dict(kv_tokens=128, conversation_cache_mib=1) if host else {}
         engine = Engine(EngineConfig(model=str(folder), spec=3, spec_type=("mtp",),
                                      spec_min_p=0.0, spec_token_cost=0.0, parallel=1,
                                      block_size=4, max_context=128, prefix_cache=prefix_cache,
                                      layer_split=(2,) if len(devices) > 1 else (),
-                                     devices=devices, stage_threads=1))
+                                     devices=devices, stage_threads=1, **evict))
         try:
             engine.generate([first], GREEDY)
+            if host:  # another prompt that needs the whole pool: the first one's blocks go
+                engine.generate([other * 3 + other[:26]], SamplingParams(max_tokens=1))
             request = engine.add_request(second, GREEDY)
             engine.step()  # the prompt's window: the MTP layer's keys at positions 1..36
             mtp_keys = None
@@ -141,11 +146,15 @@ def test_prefix_reuse_keeps_the_same_mtp_drafts(mtp_models, devices):
         finally:
             engine.close()
         stats = request.draft_stats
+        restored = engine.scheduler.pool.host.restored_blocks if host and \
+            prefix_cache == "on" else 0
         return (request.output_ids, (stats.drafted, stats.accepted), request.num_cached_tokens,
-                mtp_keys)
+                mtp_keys, restored)
 
     on, off = run("on"), run("off")
     assert on[:2] == off[:2] and on[1][0] > 0
+    if host:
+        assert on[4] > 0  # blocks copied back from host RAM (the rest still on the device)
     assert on[2] == 27 and off[2] == 0  # 7 blocks, less the token run again
     if on[3] is not None:  # every MTP key is there, the one after the cached blocks too
         assert torch.allclose(on[3], off[3], atol=1e-5)

@@ -91,7 +91,8 @@ class Engine:
                                    window_cost=config.spec_window_cost,
                                    max_drafts=max_drafts, prefix_cache=prefix_cache,
                                    kv_tokens=config.kv_tokens,
-                                   host_blocks=self._host_blocks(arch, prefix_cache),
+                                   host_blocks=self._host_blocks(
+                                       arch, prefix_cache, self.model_config.num_layers + use_mtp),
                                    host_conversations=config.conversation_cache_slots)
         drafts = self.scheduler.drafts
         self.draft_stats = drafts.stats if drafts is not None else DraftStats()  # all requests
@@ -115,9 +116,10 @@ class Engine:
         self.observers: list = []     # called with (window, result) of each commit
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
 
-    def _host_blocks(self, arch, prefix_cache: bool) -> int:
+    def _host_blocks(self, arch, prefix_cache: bool, num_layers: int) -> int:
         """Blocks of the host-RAM conversation cache that --conversation-cache-mib holds:
-        a block's keys and values in every attention layer of every stage."""
+        a block's keys and values in every attention layer of every stage (the MTP
+        layer's among the `num_layers`)."""
         config = self.config
         if not config.conversation_cache_mib:
             return 0
@@ -127,7 +129,7 @@ class Engine:
             return 0
         itemsize = torch.empty(0, dtype=config.kv_dtype()).element_size()
         per_block = sum(2 * spec.num_kv_heads * spec.head_dim * config.block_size * itemsize
-                        for spec in map(arch.cache_spec, range(self.model_config.num_layers))
+                        for spec in map(arch.cache_spec, range(num_layers))
                         if isinstance(spec, PagedKVSpec))
         blocks = config.conversation_cache_mib * 2**20 // per_block
         if not blocks:

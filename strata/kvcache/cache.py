@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from strata.errors import StrataError
 from strata.kvcache.spec import CacheSize, CacheSpec, PagedKVSpec, SlotStateSpec
 
 
@@ -44,39 +45,63 @@ def allocate(spec: CacheSpec, size: CacheSize, kv_dtype: torch.dtype,
 
 class HostBlocks:
     """Host-RAM blocks for every paged-KV layer of one stage (pinned when the stage is on
-    a GPU, so copies run at PCIe speed): the conversation cache's bytes (kvcache/host.py
-    decides which block goes where). `copy` runs a window's spills and restores."""
+    a GPU): the conversation cache's bytes (kvcache/host.py decides which block goes
+    where). `copy` runs a window's spills and restores without waiting for the device:
+    blocks are moved whole (a block's rows are contiguous on both sides), every layer's
+    keys and values in one transfer through a pinned staging tensor; a spill's bytes
+    land in their host blocks when the next restore needs them (`_flush`), the copy
+    having run in stream order meanwhile."""
 
     def __init__(self, caches: list[PagedKVCache], num_blocks: int, block_size: int):
+        if len({c.key.shape[1:] for c in caches}) > 1:
+            raise StrataError("the conversation cache needs attention layers of one shape "
+                              "in a stage; leave --conversation-cache-mib at 0")
         self.caches, self.block_size = caches, block_size
-        pin = any(c.key.device.type == "cuda" for c in caches)
-        self.key = [torch.zeros((num_blocks * block_size, *c.key.shape[1:]), dtype=c.key.dtype,
-                                pin_memory=pin) for c in caches]
-        self.value = [torch.zeros_like(k, pin_memory=pin) for k in self.key]
+        self.device = caches[0].key.device
+        self.pin = self.device.type == "cuda"
+        shape = (len(caches), 2, num_blocks, block_size, *caches[0].key.shape[1:])
+        self.blocks = torch.zeros(shape, dtype=caches[0].key.dtype, pin_memory=self.pin)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, object]] = []  # spills in flight
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in zip(self.key, self.value))
+        return self.blocks.nbytes
 
-    def _rows(self, blocks: list[int]) -> torch.Tensor:
-        offsets = torch.arange(self.block_size)
-        return (torch.tensor(blocks)[:, None] * self.block_size + offsets).flatten()
+    def _views(self) -> list[torch.Tensor]:
+        """Each layer's keys, then values, as [blocks + padding, block_size, heads, dim]."""
+        shape = (-1, self.block_size, *self.caches[0].key.shape[1:])
+        return [t.view(shape) for c in self.caches for t in (c.key, c.value)]
 
     def copy(self, spills: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
         """Device blocks to host blocks (spills), then host blocks to device blocks
         (restores), in every layer."""
-        for pairs, out in ((spills, True), (restores, False)):
-            if not pairs:
-                continue
-            sources, targets = zip(*pairs)
-            src, dst = self._rows(list(sources)), self._rows(list(targets))
-            for cache, host_key, host_value in zip(self.caches, self.key, self.value):
-                device = cache.key.device
-                if out:
-                    rows = src.to(device)
-                    host_key[dst] = cache.key[rows].cpu()
-                    host_value[dst] = cache.value[rows].cpu()
-                else:
-                    rows = dst.to(device)
-                    cache.key[rows] = host_key[src].to(device, non_blocking=True)
-                    cache.value[rows] = host_value[src].to(device, non_blocking=True)
+        if spills:
+            device_ids = torch.tensor([d for d, _ in spills]).to(self.device)
+            gathered = torch.stack([v.index_select(0, device_ids) for v in self._views()])
+            staged = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=self.pin)
+            staged.copy_(gathered, non_blocking=True)
+            done = None
+            if self.pin:
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(self.device))
+            self._pending.append((staged, torch.tensor([h for _, h in spills]), done))
+        if restores:
+            self._flush()
+            host_ids = torch.tensor([h for h, _ in restores])
+            flat = self.blocks.view(-1, *self.blocks.shape[2:])  # [layers * 2, blocks, ...]
+            staged = torch.empty((flat.shape[0], len(restores), *flat.shape[2:]),
+                                 dtype=flat.dtype, pin_memory=self.pin)
+            torch.index_select(flat, 1, host_ids, out=staged)
+            moved = staged.to(self.device, non_blocking=True)
+            device_ids = torch.tensor([d for _, d in restores]).to(self.device)
+            for view, blocks in zip(self._views(), moved):
+                view.index_copy_(0, device_ids, blocks)
+
+    def _flush(self) -> None:
+        """Put the spills in flight into their host blocks (waiting for their copies)."""
+        flat = self.blocks.view(-1, *self.blocks.shape[2:])
+        for staged, host_ids, done in self._pending:
+            if done is not None:
+                done.synchronize()
+            flat.index_copy_(1, host_ids, staged)
+        self._pending = []

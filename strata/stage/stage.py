@@ -100,8 +100,10 @@ class Stage:
             log.info("stage %d KV cache on %s: %d tokens (%d blocks, --kv-tokens), %.0f MiB",
                      index, device, cache_size.num_blocks * cache_size.block_size,
                      cache_size.num_blocks, kv_bytes / 2**20)
-        self.host_blocks = (HostBlocks(paged, cache_size.host_blocks, cache_size.block_size)
-                            if cache_size.host_blocks and paged else None)
+        self.host_blocks = None  # the conversation cache's blocks, the MTP layer's too
+        if cache_size.host_blocks and paged:
+            self.host_blocks = HostBlocks([*paged, *filter(None, [self.mtp_cache])],
+                                          cache_size.host_blocks, cache_size.block_size)
         if self.host_blocks is not None:
             log.info("stage %d conversation cache in host RAM: %d blocks, %.0f MiB", index,
                      cache_size.host_blocks, self.host_blocks.nbytes / 2**20)
