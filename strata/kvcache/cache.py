@@ -76,7 +76,7 @@ class HostBlocks:
         """Device blocks to host blocks (spills), then host blocks to device blocks
         (restores), in every layer."""
         if spills:
-            device_ids = torch.tensor([d for d, _ in spills]).to(self.device)
+            device_ids = self._on_device([d for d, _ in spills])
             gathered = torch.stack([v.index_select(0, device_ids) for v in self._views()])
             staged = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=self.pin)
             staged.copy_(gathered, non_blocking=True)
@@ -93,9 +93,14 @@ class HostBlocks:
                                  dtype=flat.dtype, pin_memory=self.pin)
             torch.index_select(flat, 1, host_ids, out=staged)
             moved = staged.to(self.device, non_blocking=True)
-            device_ids = torch.tensor([d for _, d in restores]).to(self.device)
+            device_ids = self._on_device([d for _, d in restores])
             for view, blocks in zip(self._views(), moved):
                 view.index_copy_(0, device_ids, blocks)
+
+    def _on_device(self, ids: list[int]) -> torch.Tensor:
+        """Block ids on the stage's device, copied from pinned memory (a copy from pageable
+        memory would wait for the device's work queued so far)."""
+        return torch.tensor(ids, pin_memory=self.pin).to(self.device, non_blocking=True)
 
     def _flush(self) -> None:
         """Put the spills in flight into their host blocks (waiting for their copies)."""
