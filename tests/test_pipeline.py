@@ -94,7 +94,8 @@ def test_in_process_stages_equal_stage_processes(tiny_models):
     runs = []
     for devices in (("cpu",), ("cpu", "cpu", "cpu")):
         engine = Engine(EngineConfig(model=folder, parallel=4, layer_split=(1, 3),
-                                     devices=devices, batch_groups=2, stage_threads=1))
+                                     devices=devices, batch_groups=2, stage_threads=1,
+                                     max_window_tokens=16))  # prompts over several windows
         try:
             ids = repetitive_prompts(320)[1]
             logits = engine.score(ids)

@@ -40,6 +40,8 @@ class Pending:
 
 
 def _tensor(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if not data:  # an empty tensor (a window that samples nothing has no sample rows)
+        return torch.empty(shape, dtype=getattr(torch, dtype))
     return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
 
 
