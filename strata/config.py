@@ -103,6 +103,12 @@ class EngineConfig:
         "tokens again later, from the prefix cache's blocks where they are still cached). "
         "At least --max-context, so that one request always fits"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV cache block"))
+    state_snapshots: int | None = field(default=None, metadata=_opt(
+        "models with recurrent layers (Qwen3-Next, Qwen3.5): finished requests' states at "
+        "their last block boundary kept on the device, so that a prompt starting with the "
+        "same blocks reuses them with the prefix cache (default: --parallel; 0: such "
+        "models compute every prompt whole). Each is one row of per-slot state (each "
+        "stage logs the rows' MiB)"))
     conversation_cache_mib: int = field(default=0, metadata=_opt(
         "MiB of host RAM (over all stages) that keep finished conversations' KV blocks "
         "when the device pool needs their room, so that a conversation's next turn copies "
@@ -208,6 +214,8 @@ class EngineConfig:
         if self.conversation_cache_mib < 0 or self.conversation_cache_slots < 1:
             raise StrataError("--conversation-cache-mib must be >= 0 and "
                               "--conversation-cache-slots at least 1")
+        if self.state_snapshots is not None and self.state_snapshots < 0:
+            raise StrataError(f"--state-snapshots must be >= 0 (got {self.state_snapshots})")
         if self.kv_tokens is not None and self.kv_tokens < 1:
             raise StrataError(f"--kv-tokens must be at least 1 (got {self.kv_tokens})")
         if not self.devices:

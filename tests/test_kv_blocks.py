@@ -138,13 +138,16 @@ def test_an_aborted_preempted_request_is_forgotten():
 @given(prompts=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 14)), min_size=1,
                         max_size=6),
        slots=st.integers(1, 4), groups=st.integers(1, 2), extra=st.integers(0, 12),
-       window=st.integers(2, 16), prefix=st.booleans(), host=st.integers(0, 6))
+       window=st.integers(2, 16), prefix=st.booleans(), host=st.integers(0, 6),
+       snapshots=st.integers(0, 3))
 def test_every_request_finishes_as_with_room_to_spare(prompts, slots, groups, extra, window,
-                                                      prefix, host):
+                                                      prefix, host, snapshots):
     groups = min(groups, slots)
     sched = Scheduler(num_slots=slots, max_context=40, max_window_tokens=window, block_size=4,
                       num_groups=groups, kv_tokens=40 + extra, prefix_cache=prefix,
-                      host_blocks=host)  # the conversation cache's bookkeeping too
+                      host_blocks=host,  # the conversation cache's bookkeeping too
+                      state_rows_per_slot=2 if snapshots else 0,  # and state snapshots'
+                      state_snapshots=snapshots)
     requests = [make(p, t, first=1 + 3 * (i % 2)) for i, (p, t) in enumerate(prompts)]
     run(sched, requests, depth=groups)
     for request in requests:

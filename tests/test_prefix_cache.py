@@ -143,15 +143,49 @@ def test_scoring_computes_every_position(tiny_models):
     assert torch.allclose(logits, engine(folder, "off").score(texts["all"]), atol=1e-5)
 
 
-def test_models_with_recurrent_state_do_not_reuse_yet(tmp_path, caplog):
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
     from test_qwen3_next import build_qwen3_next
-    build_qwen3_next(tmp_path)
+    folder = tmp_path_factory.mktemp("hybrid")
+    build_qwen3_next(folder)
+    return folder
+
+
+def test_recurrent_models_reuse_blocks_with_a_state_snapshot(hybrid):
+    """A hybrid model (Gated DeltaNet + attention) reuses a prefix only where a state
+    snapshot follows its last block: the first prompt's end (its prompt window is cut at
+    its last boundary) and its whole sequence's last boundary; the output is what
+    computing it all gives."""
+    texts = prompts(320)
+    e0 = engine(hybrid, "off")
+    first = e0.generate([texts["first"]], GREEDY)[0]
+    texts["conversation"] = texts["first"] + first + [9, 8, 7]
+    reference = in_sequence(engine(hybrid, "off"), texts, GREEDY)
+    assert engine(hybrid, "on").scheduler.snapshots.capacity == 4  # --parallel
+    e = engine(hybrid, "on", state_snapshots=16)  # two for each request
+    runs = in_sequence(e, texts, GREEDY)
+    assert {k: v[0] for k, v in runs.items()} == {k: v[0] for k, v in reference.items()}
+    cached = {k: v[1] for k, v in runs.items()}
+    assert cached["all"] == 28 and cached["same"] == 28  # the prompt's last boundary
+    assert cached["conversation"] >= 52                   # the first's answer's too
+    assert cached["some"] == 0 and cached["none"] == 0    # no state after 3 blocks
+    assert e.draft_stats.accepted > 0
+
+
+def test_recurrent_models_reuse_in_stage_processes_and_not_without_snapshots(hybrid, caplog):
+    texts = prompts(320)
+    texts = {"first": texts["first"], "all": texts["all"]}
+    reference = in_sequence(engine(hybrid, "off"), texts, GREEDY)
+    e = engine(hybrid, "on", layer_split=(2,), devices=("cpu", "cpu"))
+    try:
+        runs = in_sequence(e, texts, GREEDY)
+    finally:
+        e.close()
+    assert {k: v[0] for k, v in runs.items()} == {k: v[0] for k, v in reference.items()}
+    assert runs["all"][1] == 28
     with caplog.at_level("INFO", logger="strata.engine"):
-        e = Engine(EngineConfig(model=str(tmp_path), parallel=2, block_size=4, spec=2))
-    assert e.scheduler.pool.prefix is None
-    assert "prefix cache is off" in caplog.text and "recurrent" in caplog.text
-    off = Engine(EngineConfig(model=str(tmp_path), parallel=2, prefix_cache="off"))
-    assert off.scheduler.pool.prefix is None
+        off = engine(hybrid, "on", state_snapshots=0)
+    assert off.scheduler.pool.prefix is None and "--state-snapshots is 0" in caplog.text
 
 
 def test_the_server_reports_cached_tokens(tiny_served_model, tmp_path):

@@ -78,10 +78,14 @@ class Engine:
         # token and each draft of a window (so drafts are capped at --spec here).
         max_drafts = config.spec if stateful and policy is not None else None
         rows_per_slot = 2 + (max_drafts or 0) if stateful else 0
-        prefix_cache = config.prefix_cache == "on" and not stateful
+        snapshots = (config.state_snapshots if config.state_snapshots is not None
+                     else config.parallel) if stateful else 0
+        prefix_cache = config.prefix_cache == "on" and (
+            not stateful or (snapshots > 0 and not use_mtp))
         if config.prefix_cache == "on" and not prefix_cache:
-            log.info("the prefix cache is off: it cannot yet restore a recurrent layer's "
-                     "state")
+            log.info("the prefix cache is off: %s", "--state-snapshots is 0" if not snapshots
+                     else "it cannot yet give the MTP layer the hidden state at a reused "
+                     "recurrent state")
         self.scheduler = Scheduler(config.parallel, self.max_context, config.max_window_tokens,
                                    config.block_size, policy,
                                    mtp_drafts=config.spec if use_mtp else 0,
@@ -93,7 +97,8 @@ class Engine:
                                    kv_tokens=config.kv_tokens,
                                    host_blocks=self._host_blocks(
                                        arch, prefix_cache, self.model_config.num_layers + use_mtp),
-                                   host_conversations=config.conversation_cache_slots)
+                                   host_conversations=config.conversation_cache_slots,
+                                   state_snapshots=snapshots)
         drafts = self.scheduler.drafts
         self.draft_stats = drafts.stats if drafts is not None else DraftStats()  # all requests
         pricing = drafts.pricing if drafts is not None else None

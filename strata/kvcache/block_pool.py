@@ -101,11 +101,14 @@ class BlockPool(RowPool):
         """The device blocks of `hits` (cached_prefix), held: those on the device shared,
         those in host RAM copied back into new blocks (registered under their keys)."""
         self.hold([block for _, block in hits if block is not None])
+        # Their host blocks first (pinned): a device block handed out below may be copied
+        # out to host RAM, which may forget the conversations holding them.
+        spots = {key: self.host.restore(key) for key, block in hits if block is None}
         blocks = []
         for key, block in hits:
             if block is None:
                 block = self.allocate(1)[0]
-                self.restores.append((self.host.restore(key), block))
+                self.restores.append((spots[key], block))
                 self.prefix.register(block, key)
             blocks.append(block)
         return blocks

@@ -47,6 +47,7 @@ from strata.drafting.policy import DraftPolicy
 from strata.errors import StrataError
 from strata.kvcache.block_pool import BlockPool, RowPool
 from strata.kvcache.host import HostCache
+from strata.kvcache.snapshots import StateSnapshots
 from strata.kvcache.spec import CacheSize
 from strata.request import Request, RequestStatus
 from strata.sampling.verifier import VerifyEntry
@@ -62,7 +63,8 @@ class Scheduler:
                  num_groups: int = 1, state_rows_per_slot: int = 0, ahead: bool = False,
                  window_cost: float = 0.0, max_drafts: int | None = None,
                  prefix_cache: bool = False, kv_tokens: int | None = None,
-                 host_blocks: int = 0, host_conversations: int = 32):
+                 host_blocks: int = 0, host_conversations: int = 32,
+                 state_snapshots: int = 0):
         """`mtp_drafts`: the longest chain the model's MTP layer drafts on the last stage
         (0: none); `state_rows_per_slot`: rows of per-slot state the model's layers keep;
         `ahead`: build a decoding group's next window while its last computes (the runner
@@ -72,7 +74,10 @@ class Scheduler:
         request starts from cached blocks of its prompt's prefix (kvcache/prefix.py);
         `kv_tokens`: the block pool's tokens (None: every slot can reach `max_context`);
         `host_blocks`: blocks of the conversation cache in host RAM, kept for the last
-        `host_conversations` requests' blocks (kvcache/host.py; with the prefix cache)."""
+        `host_conversations` requests' blocks (kvcache/host.py; with the prefix cache);
+        `state_snapshots`: for layers with per-slot state, finished requests' states at a
+        block boundary kept for prefix reuse (kvcache/snapshots.py; 0: such models do not
+        reuse prefixes)."""
         if not 1 <= num_groups <= num_slots:
             raise ValueError(f"{num_groups} groups for {num_slots} slots")
         blocks_per_slot = -(-max_context // block_size)
@@ -88,8 +93,12 @@ class Scheduler:
         self._told_waiting: set[str] = set()  # requests logged as waiting for blocks
         self._arrivals = 0
         self.cached_tokens = 0  # prompt tokens the prefix cache saved (all requests)
-        self.state_rows = RowPool(num_slots * state_rows_per_slot)
+        snapshots = bool(state_rows_per_slot and prefix_cache and state_snapshots)
+        self.snapshots = StateSnapshots(state_snapshots) if snapshots else None
+        self.state_rows = RowPool(num_slots * (state_rows_per_slot + snapshots)
+                                  + (state_snapshots if snapshots else 0))
         self.state_rows_per_slot = state_rows_per_slot
+        self._state_copies: list[tuple[int, int]] = []  # (row, row) for the next window
         self.max_drafts = max_drafts
         drafting = drafts is not None and drafts.enabled
         if state_rows_per_slot:
@@ -98,7 +107,7 @@ class Scheduler:
             if state_rows_per_slot < 2 + longest:
                 raise ValueError(f"{state_rows_per_slot} state rows per slot cannot hold the "
                                  f"states of {longest} drafts (2 + drafts rows needed)")
-        self.slots = [Slot(i, self.pool, self.state_rows, state_rows_per_slot)
+        self.slots = [Slot(i, self.pool, self.state_rows, state_rows_per_slot, snapshots)
                       for i in range(num_slots)]
         self.max_context, self.max_window_tokens = max_context, max_window_tokens
         self.drafts = drafts if drafts is not None and drafts.enabled else None
@@ -286,7 +295,7 @@ class Scheduler:
                     continue
                 tokens += count - 1
             else:
-                slot.draft, count = None, min(slot.num_pending, budget)
+                slot.draft, count = None, self._to_boundary(slot, min(slot.num_pending, budget))
             entries.append((slot, count))
             budget -= count
         entries = self._fit(entries)
@@ -356,6 +365,9 @@ class Scheduler:
             request = self.waiting[0]
             hits = self.pool.cached_prefix(request.token_ids, (request.num_tokens - 1) // size) \
                 if request.reuse_prefix else []
+            snapshot = None
+            if self.state_rows_per_slot:  # the state after the last reused block is needed
+                hits, snapshot = self._with_snapshot(hits)
             needed = -(-self._extent(request.num_tokens, 1) // size) - sum(
                 block is not None for _, block in hits)
             promised = sum(max(0, -(-self._extent(s.request.num_tokens, 1) // size)
@@ -371,7 +383,10 @@ class Scheduler:
             self._told_waiting.discard(request.request_id)
             request.status = RequestStatus.RUNNING
             slot.assign(request)
+            slot.keep_at = (request.num_tokens - 1) // size * size
             slot.reuse_prefix(hits, replay=bool(self.mtp_drafts))
+            if snapshot is not None:
+                self._state_copies.append((snapshot, slot.state_current))
             if request.num_preemptions:
                 continue  # its proposers kept it, its cached tokens were counted
             request.num_cached_tokens = slot.num_computed
@@ -379,6 +394,52 @@ class Scheduler:
             if self.drafts is not None:
                 with self._isolated(slot):
                     self.drafts.admitted(request)
+
+    # -- per-slot state at block boundaries -------------------------------------------------
+    def _with_snapshot(self, hits: list[tuple[bytes, int | None]]
+                       ) -> tuple[list[tuple[bytes, int | None]], int | None]:
+        """The longest run of `hits` after whose last block a state snapshot is kept, and
+        that snapshot's row (none: nothing is reused)."""
+        if self.snapshots is not None:
+            for end in range(len(hits), 0, -1):
+                if (row := self.snapshots.get(hits[end - 1][0])) is not None:
+                    return hits[:end], row
+        return [], None
+
+    def _to_boundary(self, slot: Slot, count: int) -> int:
+        """A prompt chunk of `count` tokens, cut to end at the last block boundary of the
+        request's known tokens if it would cross it, so that the state there can be kept
+        (a later prompt with the same start reuses the blocks before it)."""
+        boundary = slot.keep_at
+        if slot.snapshot_row is None or slot.snapshot_at >= boundary:
+            return count
+        if slot.num_computed < boundary < slot.num_computed + count:
+            return boundary - slot.num_computed
+        return count
+
+    def _snapshot(self, slot: Slot, rows: torch.Tensor, start: int, count: int, drafted: int,
+                  accepted: int) -> None:
+        """After a commit: if the committed tokens crossed a block boundary whose state a
+        row of the window holds (the state after the last known token and after each
+        draft), copy it to the slot's snapshot row (before the next window, every stage).
+        The snapshot at the end of the tokens known at admission (`keep_at`: the prompt's)
+        goes to the kept snapshots before a later one takes its place, so that prompts
+        that repeat this one's, or its whole conversation, both find theirs."""
+        last_known = start + count - 1 - drafted
+        boundary = (last_known + accepted + 1) // self.pool.block_size * self.pool.block_size
+        if boundary - 1 < last_known or boundary <= slot.snapshot_at:
+            return
+        if slot.snapshot_at and slot.snapshot_at == slot.keep_at:  # the prompt's is kept
+            self._keep_snapshot(slot)
+            if slot.snapshot_row is None:
+                slot.snapshot_row = self.state_rows.allocate(1)[0]
+        self._state_copies.append((int(rows[1 + boundary - 1 - last_known]), slot.snapshot_row))
+        slot.snapshot_at = boundary
+
+    def _keep_snapshot(self, slot: Slot) -> None:
+        """A slot let go: its snapshot is kept for a later prompt with the same start."""
+        if self.snapshots is not None and (taken := slot.take_snapshot()) is not None:
+            self.state_rows.release(self.snapshots.put(*taken))
 
     # -- KV blocks ------------------------------------------------------------------------
     def _extent(self, start: int, count: int) -> int:
@@ -451,6 +512,7 @@ class Scheduler:
                     request.num_tokens)
         request.status = RequestStatus.WAITING
         self._remember(slot)
+        self._keep_snapshot(slot)
         slot.release()
         later = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival),
                      len(self.waiting))
@@ -532,7 +594,9 @@ class Scheduler:
             carry_from=carry_from,
             spills=spills,
             restores=restores,
+            state_copies=self._state_copies,
         )
+        self._state_copies = []
         return Window(header, requests=[slot.request for slot, _ in entries],
                       drafts=[slot.draft for slot, _ in entries])
 
@@ -576,6 +640,9 @@ class Scheduler:
             slot.num_computed += num_committed(count, drafted, accepted)
             if header.state_rows is not None:  # the state after the last committed token
                 slot.state_current = int(header.state_rows[entry_index, 1 + accepted])
+                if slot.snapshot_row is not None:
+                    self._snapshot(slot, header.state_rows[entry_index],
+                                   header.starts[entry_index], count, drafted, accepted)
             slot.draft = None
             if not sample:
                 if self.pool.prefix is not None:
@@ -619,6 +686,7 @@ class Scheduler:
     def _release(self, slot: Slot) -> None:
         self._forget(slot.request)
         self._remember(slot)
+        self._keep_snapshot(slot)
         slot.release()
 
     def _remember(self, slot: Slot) -> None:

@@ -10,10 +10,14 @@ from strata.request import Request
 
 
 class Slot:
-    def __init__(self, index: int, pool: BlockPool, row_pool: RowPool, rows_per_slot: int = 0):
+    def __init__(self, index: int, pool: BlockPool, row_pool: RowPool, rows_per_slot: int = 0,
+                 snapshots: bool = False):
+        """`snapshots`: the slot keeps a copy of its state at its last block boundary
+        (kvcache/snapshots.py), in one more row."""
         self.index = index
         self.block_table = BlockTable(pool)
         self.row_pool, self.rows_per_slot = row_pool, rows_per_slot
+        self.snapshots = snapshots
         self.request: Request | None = None
         self.num_computed = 0  # tokens of the request whose KV is in the cache
         self.draft: Draft | None = None  # drafts carried by the slot's window in flight
@@ -21,6 +25,9 @@ class Slot:
         self.state_current: int | None = None  # the row holding its committed state
         self.keys: list[bytes] = []  # prefix-cache keys of its leading full committed
                                      # blocks: shared or registered, never written again
+        self.snapshot_row: int | None = None  # its state at its last block boundary...
+        self.snapshot_at = 0                  # ...this one (0: none yet)
+        self.keep_at = 0  # the last block boundary of the tokens known at admission
 
     @property
     def free(self) -> bool:
@@ -38,15 +45,31 @@ class Slot:
     def assign(self, request: Request) -> None:
         self.request, self.num_computed = request, 0
         self.state_rows = self.row_pool.allocate(self.rows_per_slot)
+        self.snapshot_row = self.row_pool.allocate(1)[0] if self.snapshots else None
+        self.snapshot_at = 0
         self.state_current = self.state_rows[0] if self.state_rows else None
 
     def release(self) -> None:
-        """Give back the blocks and the state rows."""
+        """Give back the blocks and the state rows (the snapshot row too, unless the
+        scheduler took it: `take_snapshot`)."""
         self.block_table.clear()
         self.row_pool.release(self.state_rows)
+        if self.snapshot_row is not None:
+            self.row_pool.release([self.snapshot_row])
         self.request, self.num_computed, self.draft, self.state_rows = None, 0, None, []
-        self.state_current = None
+        self.state_current = self.snapshot_row = None
         self.keys = []
+
+    def take_snapshot(self) -> tuple[bytes, int] | None:
+        """The key of the block its snapshot follows and the snapshot's row, which the
+        slot no longer owns; None without a snapshot of a registered block."""
+        if self.snapshot_row is None or not self.snapshot_at:
+            return None
+        index = self.snapshot_at // self.block_table.pool.block_size - 1
+        if index >= len(self.keys):
+            return None
+        row, self.snapshot_row = self.snapshot_row, None
+        return self.keys[index], row
 
     def reuse_prefix(self, hits: list[tuple[bytes, int | None]], replay: bool = False) -> None:
         """Take the cached blocks `hits` ((key, block) of the request's leading full

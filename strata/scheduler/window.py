@@ -56,6 +56,9 @@ class WindowHeader:
     # block) back.
     spills: list[tuple[int, int]] = field(default_factory=list)
     restores: list[tuple[int, int]] = field(default_factory=list)
+    # Rows of per-slot state to copy before it computes, in order (a slot's state at a
+    # block boundary to its snapshot row, a snapshot to a reusing slot: kvcache/snapshots.py).
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def carry(self) -> bool:

@@ -100,6 +100,11 @@ class Stage:
             log.info("stage %d KV cache on %s: %d tokens (%d blocks, --kv-tokens), %.0f MiB",
                      index, device, cache_size.num_blocks * cache_size.block_size,
                      cache_size.num_blocks, kv_bytes / 2**20)
+        state_bytes = sum(t.nbytes for c in self.caches if isinstance(c, SlotStateCache)
+                          for t in c.tensors)
+        if state_bytes:
+            log.info("stage %d per-slot state on %s: %d rows, %.0f MiB", index, device,
+                     cache_size.num_state_rows, state_bytes / 2**20)
         self.host_blocks = None  # the conversation cache's blocks, the MTP layer's too
         if cache_size.host_blocks and paged:
             self.host_blocks = HostBlocks([*paged, *filter(None, [self.mtp_cache])],
@@ -143,9 +148,15 @@ class Stage:
         self.graphs = graphs
 
     def move_blocks(self, header: WindowHeader) -> None:
-        """The window's conversation-cache copies (before it computes; kvcache/host.py)."""
+        """The window's copies, before it computes: KV blocks to and from host RAM
+        (kvcache/host.py), then rows of per-slot state (kvcache/snapshots.py)."""
         if self.host_blocks is not None and (header.spills or header.restores):
             self.host_blocks.copy(header.spills, header.restores)
+        for source, target in header.state_copies:
+            for cache in self.caches:
+                if isinstance(cache, SlotStateCache):
+                    for tensor in cache.tensors:
+                        tensor[target].copy_(tensor[source])
 
     def prepare(self, header: WindowHeader) -> ForwardMeta | GraphCall:
         """What forward() needs for the window: its bucket's graph call (its metadata in the
