@@ -15,7 +15,11 @@ layers, whose state rolls back under drafts) checkpoints with transformers, then
   on `--gguf` the greedy tokens with projections kept quantized against dequantized bf16
   (4 prompts x 256 tokens);
 - the fused MoE path against the grouped one (one layer of 8 experts top-2 and of 512
-  experts top-10, 1 to 32 tokens, bf16).
+  experts top-10, 1 to 32 tokens, bf16);
+- prefix reuse on the device (fp32, CUDA graphs, drafts): an agent's second turn with the
+  prefix cache off, on, and on with its blocks evicted to host RAM and copied back by
+  the conversation cache (llama; qwen3_next, whose recurrent state comes from a state
+  snapshot): greedy tokens against the run without reuse, and the tokens not computed.
 
     python benchmarks/cuda_check.py --devices cuda:0 [--gguf model.gguf]
 """
@@ -73,6 +77,7 @@ def main() -> int:
             total = sum(len(s) for s in solo)
             rows.append([kind, f"{max(errors):.1e}", f"{agree}/{total}", f"{same}/{total}"])
         fast = [fast_path(str(Path(tmp) / kind), devices) for kind in KINDS]
+        reuse = [reuse_path(str(Path(tmp) / kind), devices) for kind in ("llama", "qwen3_next")]
     if args.gguf:
         fast.append(fast_path(args.gguf, devices))
     device = torch.device(devices[0])
@@ -93,7 +98,38 @@ def main() -> int:
     print()
     print(markdown_table(["MoE layer", "fused vs grouped, bf16: max rel. error, w=1 / 4 / 32"],
                          moe_fused(device)))
+    print()
+    print(markdown_table(["model", "turn 2 greedy tokens = no reuse (fp32, graphs): cache on",
+                          "evicted, from host RAM", "tokens not computed: on / host RAM"],
+                         reuse))
     return 0
+
+
+def reuse_path(model: str, devices: tuple[str, ...]) -> list[str]:
+    """An agent's two turns (the second prompt: the first, its answer, new tokens) with
+    the prefix cache off, on, and on with a pool of one context that another prompt
+    empties between the turns (the conversation cache copies the blocks back)."""
+    common = dict(model=model, devices=devices, dtype="fp32", max_context=512, parallel=2,
+                  cuda_graphs="on")
+    greedy = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    vocab = Engine(EngineConfig(**common, spec=0)).model_config.vocab_size
+    first = prompts(1, vocab, seed=3, low=40, high=41)[0] * 3
+    other = prompts(1, vocab, seed=4, low=400, high=401)[0]
+    out = {}
+    evicted = dict(kv_tokens=512, conversation_cache_mib=64, state_snapshots=4)
+    for arm, extra in (("off", dict(prefix_cache="off")), ("on", {}), ("host", evicted)):
+        engine = Engine(EngineConfig(**common, **extra))
+        answer = engine.generate([first], greedy)[0]
+        if arm == "host":
+            engine.generate([other], SamplingParams(temperature=0, max_tokens=1))
+        request = engine.add_request(first + answer + [1, 2, 3], greedy)
+        while engine.has_work:
+            engine.step()
+        out[arm] = (answer, request.output_ids, request.num_cached_tokens)
+    def same(arm: str) -> str:
+        pairs = [(a, b) for x, y in zip(out[arm][:2], out["off"][:2]) for a, b in zip(x, y)]
+        return f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+    return [Path(model).name, same("on"), same("host"), f"{out['on'][2]} / {out['host'][2]}"]
 
 
 def rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
