@@ -161,7 +161,7 @@ def test_recurrent_models_reuse_blocks_with_a_state_snapshot(hybrid):
     first = e0.generate([texts["first"]], GREEDY)[0]
     texts["conversation"] = texts["first"] + first + [9, 8, 7]
     reference = in_sequence(engine(hybrid, "off"), texts, GREEDY)
-    assert engine(hybrid, "on").scheduler.snapshots.capacity == 4  # --parallel
+    assert engine(hybrid, "on").scheduler.keeper.snapshots.capacity == 4  # --parallel
     e = engine(hybrid, "on", state_snapshots=16)  # two for each request
     runs = in_sequence(e, texts, GREEDY)
     assert {k: v[0] for k, v in runs.items()} == {k: v[0] for k, v in reference.items()}

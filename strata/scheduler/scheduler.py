@@ -25,7 +25,10 @@ If the first window ends a request (EOS, a stop id), the second window's entry f
 dropped at commit, like an aborted one's.
 
 Allocation covers every kind of layer cache (kvcache/spec.py): KV blocks as a slot's
-sequence grows, and `state_rows_per_slot` rows of per-slot state from admission to finish.
+sequence grows (counted by budget.py, which also says what happens when a pool smaller
+than every slot's context runs short: wait, trim, preempt), and `state_rows_per_slot` rows
+of per-slot state from admission to finish (plus a snapshot row for prefix reuse:
+snapshots.py).
 State rows are versions: a window reads its entry's state from the slot's current row and
 writes the state after its last known token and after each draft to the slot's other rows
 in order (WindowHeader.state_rows); committing j accepted drafts makes the (1 + j)-th of
@@ -47,11 +50,12 @@ from strata.drafting.policy import DraftPolicy
 from strata.errors import StrataError
 from strata.kvcache.block_pool import BlockPool, RowPool
 from strata.kvcache.host import HostCache
-from strata.kvcache.snapshots import StateSnapshots
 from strata.kvcache.spec import CacheSize
 from strata.request import Request, RequestStatus
 from strata.sampling.verifier import VerifyEntry
+from strata.scheduler.budget import BlockBudget
 from strata.scheduler.slot import Slot
+from strata.scheduler.snapshots import SnapshotKeeper
 from strata.scheduler.window import Window, WindowHeader, num_committed
 
 log = logging.getLogger("strata.scheduler")
@@ -94,11 +98,11 @@ class Scheduler:
         self._arrivals = 0
         self.cached_tokens = 0  # prompt tokens the prefix cache saved (all requests)
         snapshots = bool(state_rows_per_slot and prefix_cache and state_snapshots)
-        self.snapshots = StateSnapshots(state_snapshots) if snapshots else None
         self.state_rows = RowPool(num_slots * (state_rows_per_slot + snapshots)
                                   + (state_snapshots if snapshots else 0))
         self.state_rows_per_slot = state_rows_per_slot
-        self._state_copies: list[tuple[int, int]] = []  # (row, row) for the next window
+        self.keeper = (SnapshotKeeper(state_snapshots, self.state_rows, block_size)
+                       if snapshots else None)
         self.max_drafts = max_drafts
         drafting = drafts is not None and drafts.enabled
         if state_rows_per_slot:
@@ -112,6 +116,7 @@ class Scheduler:
         self.max_context, self.max_window_tokens = max_context, max_window_tokens
         self.drafts = drafts if drafts is not None and drafts.enabled else None
         self.mtp_drafts = mtp_drafts
+        self.budget = BlockBudget(self.pool, max_context, mtp_drafts)
         self.cache_size = CacheSize(self.pool.num_blocks, block_size, self.state_rows.size,
                                     blocks_per_slot,
                                     self.pool.host.num_blocks if self.pool.host is not None else 0)
@@ -241,7 +246,7 @@ class Scheduler:
                 break
         if not any(ahead):
             return None  # nothing depends on the window in flight: the next one takes them
-        if self._blocks_needed(entries, ahead) > self.pool.num_free:
+        if self.budget.needed(entries, ahead) > self.pool.num_free:
             for (slot, _), carried in zip(entries, ahead):
                 if carried is None:
                     slot.draft = None
@@ -295,10 +300,14 @@ class Scheduler:
                     continue
                 tokens += count - 1
             else:
-                slot.draft, count = None, self._to_boundary(slot, min(slot.num_pending, budget))
+                slot.draft, count = None, min(slot.num_pending, budget)
+                if slot.snapshot_row is not None:
+                    count = self.keeper.chunk(slot, count)
             entries.append((slot, count))
             budget -= count
-        entries = self._fit(entries)
+        preemptable = [s for g, group in enumerate(self.groups) if g not in self.in_flight
+                       for s in group]
+        entries = self.budget.fit(entries, preemptable, bool(self.in_flight), self._preempt)
         if not entries:
             return None
         return self._build(group, entries)
@@ -367,12 +376,9 @@ class Scheduler:
                 if request.reuse_prefix else []
             snapshot = None
             if self.state_rows_per_slot:  # the state after the last reused block is needed
-                hits, snapshot = self._with_snapshot(hits)
-            needed = -(-self._extent(request.num_tokens, 1) // size) - sum(
-                block is not None for _, block in hits)
-            promised = sum(max(0, -(-self._extent(s.request.num_tokens, 1) // size)
-                               - len(s.block_table.blocks)) for s in self.slots if not s.free)
-            free = self.pool.num_free - self.pool.num_idle([b for _, b in hits]) - promised
+                hits, snapshot = self.keeper.reusable(hits) if self.keeper else ([], None)
+            needed, free = self.budget.admits(request, hits,
+                                              [s for s in self.slots if not s.free])
             if needed > free:
                 if request.request_id not in self._told_waiting:
                     self._told_waiting.add(request.request_id)
@@ -383,10 +389,9 @@ class Scheduler:
             self._told_waiting.discard(request.request_id)
             request.status = RequestStatus.RUNNING
             slot.assign(request)
-            slot.keep_at = (request.num_tokens - 1) // size * size
             slot.reuse_prefix(hits, replay=bool(self.mtp_drafts))
-            if snapshot is not None:
-                self._state_copies.append((snapshot, slot.state_current))
+            if self.keeper is not None:
+                self.keeper.start(slot, snapshot)
             if request.num_preemptions:
                 continue  # its proposers kept it, its cached tokens were counted
             request.num_cached_tokens = slot.num_computed
@@ -394,110 +399,6 @@ class Scheduler:
             if self.drafts is not None:
                 with self._isolated(slot):
                     self.drafts.admitted(request)
-
-    # -- per-slot state at block boundaries -------------------------------------------------
-    def _with_snapshot(self, hits: list[tuple[bytes, int | None]]
-                       ) -> tuple[list[tuple[bytes, int | None]], int | None]:
-        """The longest run of `hits` after whose last block a state snapshot is kept, and
-        that snapshot's row (none: nothing is reused)."""
-        if self.snapshots is not None:
-            for end in range(len(hits), 0, -1):
-                if (row := self.snapshots.get(hits[end - 1][0])) is not None:
-                    return hits[:end], row
-        return [], None
-
-    def _to_boundary(self, slot: Slot, count: int) -> int:
-        """A prompt chunk of `count` tokens, cut to end at the last block boundary of the
-        request's known tokens if it would cross it, so that the state there can be kept
-        (a later prompt with the same start reuses the blocks before it)."""
-        boundary = slot.keep_at
-        if slot.snapshot_row is None or slot.snapshot_at >= boundary:
-            return count
-        if slot.num_computed < boundary < slot.num_computed + count:
-            return boundary - slot.num_computed
-        return count
-
-    def _snapshot(self, slot: Slot, rows: torch.Tensor, start: int, count: int, drafted: int,
-                  accepted: int) -> None:
-        """After a commit: if the committed tokens crossed a block boundary whose state a
-        row of the window holds (the state after the last known token and after each
-        draft), copy it to the slot's snapshot row (before the next window, every stage).
-        The snapshot at the end of the tokens known at admission (`keep_at`: the prompt's)
-        goes to the kept snapshots before a later one takes its place, so that prompts
-        that repeat this one's, or its whole conversation, both find theirs."""
-        last_known = start + count - 1 - drafted
-        boundary = (last_known + accepted + 1) // self.pool.block_size * self.pool.block_size
-        if boundary - 1 < last_known or boundary <= slot.snapshot_at:
-            return
-        if slot.snapshot_at and slot.snapshot_at == slot.keep_at:  # the prompt's is kept
-            self._keep_snapshot(slot)
-            if slot.snapshot_row is None:
-                slot.snapshot_row = self.state_rows.allocate(1)[0]
-        self._state_copies.append((int(rows[1 + boundary - 1 - last_known]), slot.snapshot_row))
-        slot.snapshot_at = boundary
-
-    def _keep_snapshot(self, slot: Slot) -> None:
-        """A slot let go: its snapshot is kept for a later prompt with the same start."""
-        if self.snapshots is not None and (taken := slot.take_snapshot()) is not None:
-            self.state_rows.release(self.snapshots.put(*taken))
-
-    # -- KV blocks ------------------------------------------------------------------------
-    def _extent(self, start: int, count: int) -> int:
-        """End of the positions a window entry of `count` tokens from `start` may write:
-        its own, then the MTP layer's chain of drafts after them."""
-        if not self.mtp_drafts:
-            return start + count
-        return min(self.max_context, start + count + self.mtp_drafts + 1)
-
-    def _blocks_needed(self, entries: list[tuple[Slot, int]],
-                       ahead: list[tuple[int, int] | None] | None = None) -> int:
-        """New blocks the entries' slots need for a window (`ahead` as in _build)."""
-        size, needed = self.pool.block_size, 0
-        for e, (slot, count) in enumerate(entries):
-            carried = ahead[e] if ahead else None
-            start = slot.num_computed + (carried[1] if carried else 0)
-            needed += max(0, -(-self._extent(start, count) // size)
-                          - len(slot.block_table.blocks))
-        return needed
-
-    def _fit(self, entries: list[tuple[Slot, int]]) -> list[tuple[Slot, int]]:
-        """The window's entries trimmed to the blocks the pool can give. While it is short,
-        the newest request's drafts go first (they are guesses), then its prompt chunk
-        shrinks; then the newest running request of a group with no window in flight is
-        preempted (its tokens are computed again later). If that is one of this window's
-        while other groups' windows are in flight, the window waits instead (they may
-        finish, or be newer and give way): returns no entries."""
-        size = self.pool.block_size
-        while (short := self._blocks_needed(entries) - self.pool.num_free) > 0:
-            newest = sorted(range(len(entries)), key=lambda i: -entries[i][0].request.arrival)
-            drafted = [i for i in newest if entries[i][0].num_drafted]
-            chunks = [i for i in newest if entries[i][0].num_pending > 1
-                      and self._blocks_needed([entries[i]])]
-            if drafted:
-                slot = entries[drafted[0]][0]
-                slot.draft = None
-                entries[drafted[0]] = (slot, 1)
-            elif chunks:
-                slot, count = entries[chunks[0]]
-                keep = len(slot.block_table.blocks) + max(
-                    0, self._blocks_needed([(slot, count)]) - short)
-                count = min(count, keep * size - self._extent(slot.num_computed, 0))
-                if count > 0:
-                    entries[chunks[0]] = (slot, count)
-                else:
-                    del entries[chunks[0]]
-            else:
-                busy = [s for g, group in enumerate(self.groups) if g not in self.in_flight
-                        for s in group if not s.free]
-                victim = max(busy, key=lambda s: s.request.arrival, default=None)
-                mine = any(s is victim for s, _ in entries)
-                if victim is None or (mine and self.in_flight):
-                    for slot, _ in entries:
-                        slot.draft = None
-                    return []
-                entries = [(s, c) for s, c in entries if s is not victim]
-                self._preempt(victim)
-        return entries
 
     def _preempt(self, slot: Slot) -> None:
         """Take a running request's blocks back: it waits again, in arrival order, and
@@ -512,7 +413,8 @@ class Scheduler:
                     request.num_tokens)
         request.status = RequestStatus.WAITING
         self._remember(slot)
-        self._keep_snapshot(slot)
+        if self.keeper is not None:
+            self.keeper.keep(slot)
         slot.release()
         later = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival),
                      len(self.waiting))
@@ -545,7 +447,7 @@ class Scheduler:
                                    f"{slot.index}, inside its shared or cached blocks")
             starts.append(start)
             # Positions the MTP layer may reach: the window's, then its chain of drafts.
-            mtp_end = self._extent(start, count)
+            mtp_end = self.budget.extent(start, count)
             slot.block_table.ensure(mtp_end)
             end = start + count - slot.num_drafted  # end of the run's known tokens
             tokens.extend(request.token_ids[start:end] if not carried else [0] * (end - start))
@@ -594,9 +496,8 @@ class Scheduler:
             carry_from=carry_from,
             spills=spills,
             restores=restores,
-            state_copies=self._state_copies,
+            state_copies=self.keeper.take_copies() if self.keeper is not None else [],
         )
-        self._state_copies = []
         return Window(header, requests=[slot.request for slot, _ in entries],
                       drafts=[slot.draft for slot, _ in entries])
 
@@ -641,8 +542,8 @@ class Scheduler:
             if header.state_rows is not None:  # the state after the last committed token
                 slot.state_current = int(header.state_rows[entry_index, 1 + accepted])
                 if slot.snapshot_row is not None:
-                    self._snapshot(slot, header.state_rows[entry_index],
-                                   header.starts[entry_index], count, drafted, accepted)
+                    self.keeper.committed(slot, header.state_rows[entry_index],
+                                          header.starts[entry_index], count, drafted, accepted)
             slot.draft = None
             if not sample:
                 if self.pool.prefix is not None:
@@ -686,7 +587,8 @@ class Scheduler:
     def _release(self, slot: Slot) -> None:
         self._forget(slot.request)
         self._remember(slot)
-        self._keep_snapshot(slot)
+        if self.keeper is not None:
+            self.keeper.keep(slot)
         slot.release()
 
     def _remember(self, slot: Slot) -> None:
