@@ -110,7 +110,8 @@ def test_stages_allocate_each_layer_from_its_spec(toy):
     kinds = [[type(c).__name__ for c in stage.caches] for stage in engine.runner.stages]
     assert kinds == [["PagedKVCache", "SlotStateCache"], ["PagedKVCache", "SlotStateCache"]]
     state = engine.runner.stages[1].caches[1]
-    assert state.tensors[0].shape == (6, 64) and state.tensors[0].dtype == torch.float32
+    # 2 rows per slot, a snapshot row per slot, and --state-snapshots (--parallel) kept
+    assert state.tensors[0].shape == (12, 64) and state.tensors[0].dtype == torch.float32
     assert isinstance(engine.runner.stages[0].arch.cache_spec(0), PagedKVSpec)
 
 
@@ -124,7 +125,8 @@ def test_state_rows_follow_slots_across_chunks_windows_and_requests(toy):
     together = Engine(EngineConfig(model=str(toy), spec=0, parallel=4, max_context=128,
                                    max_window_tokens=7))
     assert together.generate(batch, GREEDY) == expected
-    assert together.scheduler.state_rows.num_free == 8
+    rows = together.scheduler.state_rows  # every row back, but the kept snapshots'
+    assert rows.num_free + len(together.scheduler.keeper.snapshots) == rows.size == 16
 
 
 @pytest.mark.parametrize("ahead", ["off", "on"])
