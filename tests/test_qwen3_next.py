@@ -495,6 +495,37 @@ def test_mtp_drafts_keep_greedy_output(qwen3_next_mtp, case):
         engine.close()
 
 
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu")])  # the last: 2 processes
+def test_prefix_reuse_with_mtp_drafts_keeps_the_drafts(qwen3_next_mtp, devices):
+    """An agent's second turn reuses the first's blocks and a state snapshot taken one
+    token before their end: that token runs again (for the MTP layer's hidden state) from
+    the state before it. The output and every drafted and accepted count are those of
+    computing it all."""
+    first = prompts(1, 320, seed=13, low=30, high=31)[0]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+    def run(prefix_cache: str):
+        engine = Engine(EngineConfig(model=str(qwen3_next_mtp), max_context=256, spec=3,
+                                     spec_type=("mtp",), spec_min_p=0.0, spec_token_cost=0.0,
+                                     parallel=1, block_size=4, prefix_cache=prefix_cache,
+                                     layer_split=(2,) if len(devices) > 1 else (),
+                                     devices=devices, stage_threads=1))
+        try:
+            answer = engine.generate([first], params)[0]
+            second = engine.add_request(first + answer + [7, 8, 9], params)
+            while engine.has_work:
+                engine.step()
+        finally:
+            engine.close()
+        stats = second.draft_stats
+        return answer, second.output_ids, (stats.drafted, stats.accepted), \
+            second.num_cached_tokens
+
+    on, off = run("on"), run("off")
+    assert on[:3] == off[:3] and on[2][0] > on[2][1] > 0
+    assert on[3] >= 55 and off[3] == 0  # 14 blocks of the first turn, less the token run again
+
+
 def test_an_mtp_layer_reads_from_nextn_blocks_or_a_separate_mtp_gguf(tmp_path, caplog):
     """llama.cpp's layout of the MTP layer (block N of `nextn_predict_layers`, with its
     `nextn.*` tensors), in the model's GGUF or in an MTP-only GGUF beside one without it

@@ -80,12 +80,9 @@ class Engine:
         rows_per_slot = 2 + (max_drafts or 0) if stateful else 0
         snapshots = (config.state_snapshots if config.state_snapshots is not None
                      else config.parallel) if stateful else 0
-        prefix_cache = config.prefix_cache == "on" and (
-            not stateful or (snapshots > 0 and not use_mtp))
+        prefix_cache = config.prefix_cache == "on" and (not stateful or snapshots > 0)
         if config.prefix_cache == "on" and not prefix_cache:
-            log.info("the prefix cache is off: %s", "--state-snapshots is 0" if not snapshots
-                     else "it cannot yet give the MTP layer the hidden state at a reused "
-                     "recurrent state")
+            log.info("the prefix cache is off: --state-snapshots is 0")
         self.scheduler = Scheduler(config.parallel, self.max_context, config.max_window_tokens,
                                    config.block_size, policy,
                                    mtp_drafts=config.spec if use_mtp else 0,

@@ -101,8 +101,8 @@ class Scheduler:
         self.state_rows = RowPool(num_slots * (state_rows_per_slot + snapshots)
                                   + (state_snapshots if snapshots else 0))
         self.state_rows_per_slot = state_rows_per_slot
-        self.keeper = (SnapshotKeeper(state_snapshots, self.state_rows, block_size)
-                       if snapshots else None)
+        self.keeper = (SnapshotKeeper(state_snapshots, self.state_rows, block_size,
+                                      lag=1 if mtp_drafts else 0) if snapshots else None)
         self.max_drafts = max_drafts
         drafting = drafts is not None and drafts.enabled
         if state_rows_per_slot:

@@ -10,6 +10,11 @@ boundary of the tokens known at admission (`Slot.keep_at`) is cut there, so that
 always caught; it is kept when a later snapshot takes its place, and the last one when the
 slot lets go of its request. A request reuses the longest run of its cached blocks after
 whose last block a snapshot is kept.
+
+With MTP drafts (`lag` 1) each snapshot is the state one token before its boundary: a
+reusing request runs the last cached token again (its KV not written, Scheduler._build) so
+that the MTP layer has that token's hidden state, and its recurrent layers must start from
+the state before it.
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ Hits = list[tuple[bytes, int | None]]  # BlockPool.cached_prefix
 
 
 class SnapshotKeeper:
-    def __init__(self, capacity: int, rows: RowPool, block_size: int):
+    def __init__(self, capacity: int, rows: RowPool, block_size: int, lag: int = 0):
         self.snapshots = StateSnapshots(capacity)
-        self.rows, self.block_size = rows, block_size
+        self.rows, self.block_size, self.lag = rows, block_size, lag
         self.copies: list[tuple[int, int]] = []  # (row, row) for the next window
 
     def take_copies(self) -> list[tuple[int, int]]:
@@ -49,10 +54,11 @@ class SnapshotKeeper:
             self.copies.append((snapshot, slot.state_current))
 
     def chunk(self, slot: Slot, count: int) -> int:
-        """A prompt chunk of `count` tokens, cut to end at `keep_at` if it would cross it."""
-        boundary = slot.keep_at
-        if slot.snapshot_at < boundary and slot.num_computed < boundary < slot.num_computed + count:
-            return boundary - slot.num_computed
+        """A prompt chunk of `count` tokens, cut to end where `keep_at`'s snapshot is
+        taken if it would cross that point."""
+        end = slot.keep_at - self.lag
+        if slot.snapshot_at < slot.keep_at and slot.num_computed < end < slot.num_computed + count:
+            return end - slot.num_computed
         return count
 
     def committed(self, slot: Slot, rows: torch.Tensor, start: int, count: int, drafted: int,
@@ -60,14 +66,15 @@ class SnapshotKeeper:
         """A slot's entry committed (its state rows, start, tokens, drafts and accepted
         drafts): copy the state at a boundary it crossed to the snapshot row."""
         last_known = start + count - 1 - drafted
-        boundary = (last_known + accepted + 1) // self.block_size * self.block_size
-        if boundary - 1 < last_known or boundary <= slot.snapshot_at:
+        boundary = (last_known + accepted + 1 + self.lag) // self.block_size * self.block_size
+        after = boundary - 1 - self.lag  # the token whose state the snapshot is
+        if after < last_known or boundary <= slot.snapshot_at:
             return
         if slot.snapshot_at and slot.snapshot_at == slot.keep_at:  # the prompt's is kept
             self.keep(slot)
             if slot.snapshot_row is None:
                 slot.snapshot_row = self.rows.allocate(1)[0]
-        self.copies.append((int(rows[1 + boundary - 1 - last_known]), slot.snapshot_row))
+        self.copies.append((int(rows[1 + after - last_known]), slot.snapshot_row))
         slot.snapshot_at = boundary
 
     def keep(self, slot: Slot) -> None:
