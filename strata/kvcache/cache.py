@@ -49,8 +49,8 @@ class HostBlocks:
     where). `copy` runs a window's spills and restores without waiting for the device:
     blocks are moved whole (a block's rows are contiguous on both sides), every layer's
     keys and values in one transfer through a pinned staging tensor; a spill's bytes
-    land in their host blocks when the next restore needs them (`_flush`), the copy
-    having run in stream order meanwhile."""
+    land in their host blocks once its copy is done (checked at each window's copies)
+    or when a restore needs them (`_flush`)."""
 
     def __init__(self, caches: list[PagedKVCache], num_blocks: int, block_size: int):
         if len({c.key.shape[1:] for c in caches}) > 1:
@@ -75,6 +75,7 @@ class HostBlocks:
     def copy(self, spills: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
         """Device blocks to host blocks (spills), then host blocks to device blocks
         (restores), in every layer."""
+        self._flush(wait=False)  # the spills already copied, so their staging goes back
         if spills:
             device_ids = self._on_device([d for d, _ in spills])
             gathered = torch.stack([v.index_select(0, device_ids) for v in self._views()])
@@ -102,11 +103,15 @@ class HostBlocks:
         memory would wait for the device's work queued so far)."""
         return torch.tensor(ids, pin_memory=self.pin).to(self.device, non_blocking=True)
 
-    def _flush(self) -> None:
-        """Put the spills in flight into their host blocks (waiting for their copies)."""
+    def _flush(self, wait: bool = True) -> None:
+        """Put the spills in flight into their host blocks, in order: all of them, waiting
+        for their copies, or (`wait` False) those whose copies are done."""
         flat = self.blocks.view(-1, *self.blocks.shape[2:])
-        for staged, host_ids, done in self._pending:
+        while self._pending:
+            staged, host_ids, done = self._pending[0]
             if done is not None:
+                if not wait and not done.query():
+                    return
                 done.synchronize()
             flat.index_copy_(1, host_ids, staged)
-        self._pending = []
+            self._pending.pop(0)
