@@ -99,7 +99,7 @@ class EngineConfig:
         "tokens of KV cache shared by all slots (default: --parallel x --max-context, so "
         "no request ever waits for blocks). Smaller lets --max-context be long: blocks are "
         "given to a slot as its sequence grows; when they run out, a new request waits for "
-        "room and the most recently admitted running request is preempted (it computes its "
+        "room and the most recently arrived running request is preempted (it computes its "
         "tokens again later, from the prefix cache's blocks where they are still cached). "
         "At least --max-context, so that one request always fits"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV cache block"))
@@ -121,7 +121,8 @@ class EngineConfig:
         "on: a request whose prompt starts with the same full blocks of tokens as a live or "
         "finished request reuses their KV blocks (kept while the pool has room, least "
         "recently used given back first) and computes only the rest; off: every prompt is "
-        "computed whole. Not yet for models with recurrent layers",
+        "computed whole. Models with recurrent layers reuse blocks where a state snapshot "
+        "follows them (--state-snapshots)",
         choices=("on", "off")))
     spec: int = field(default=8, metadata=_opt(
         "most draft tokens per slot per window (0 turns drafting off); suffix drafts of long "

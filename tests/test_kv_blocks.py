@@ -184,23 +184,16 @@ def test_preempted_requests_give_the_same_output(tiny_models, params):
         assert small.draft_stats.accepted > 0
 
 
-def test_windows_built_ahead_wait_for_blocks_with_the_same_output(tiny_models):
+@pytest.mark.parametrize("settings", [
+    dict(schedule_ahead="on"),  # windows built ahead wait for blocks
+    dict(layer_split=(2,), devices=("cpu", "cpu"), batch_groups=2),  # groups in flight
+], ids=["windows ahead", "stage processes"])
+def test_preemption_with_windows_in_flight_gives_the_same_output(tiny_models, settings):
     folder = tiny_models["llama"][0]
     prompts = texts(320)
     params = SamplingParams(temperature=0, max_tokens=30)
     reference = engine(folder).generate(prompts, params)
-    e = engine(folder, kv_tokens=96, schedule_ahead="on")
-    assert e.generate(prompts, params) == reference
-    assert e.scheduler.preemptions > 0
-
-
-def test_stage_processes_with_groups_in_flight_give_the_same_output(tiny_models):
-    folder = tiny_models["llama"][0]
-    prompts = texts(320)
-    params = SamplingParams(temperature=0, max_tokens=30)
-    reference = engine(folder).generate(prompts, params)
-    e = engine(folder, kv_tokens=96, layer_split=(2,), devices=("cpu", "cpu"),
-               batch_groups=2)
+    e = engine(folder, kv_tokens=96, **settings)
     try:
         assert e.generate(prompts, params) == reference
         assert e.scheduler.preemptions > 0

@@ -73,6 +73,15 @@ def in_sequence(e: Engine, texts: dict[str, list[int]], params) -> dict:
     return out
 
 
+def in_stage_processes(folder, texts: dict[str, list[int]], **kw) -> dict:
+    """in_sequence with the cache on, in two stage processes."""
+    e = engine(folder, "on", layer_split=(2,), devices=("cpu", "cpu"), **kw)
+    try:
+        return in_sequence(e, texts, GREEDY)
+    finally:
+        e.close()
+
+
 def kv_bytes(e: Engine, blocks: list[int]) -> list[torch.Tensor]:
     size = e.scheduler.pool.block_size
     rows = torch.tensor([b * size + i for b in blocks for i in range(size)])
@@ -124,11 +133,7 @@ def test_stage_processes_reuse_blocks_with_the_same_output(tiny_models):
     folder = tiny_models["llama"][0]
     texts = prompts(320)
     reference = in_sequence(engine(folder, "off"), texts, GREEDY)
-    e = engine(folder, "on", layer_split=(2,), devices=("cpu", "cpu"))
-    try:
-        runs = in_sequence(e, texts, GREEDY)
-    finally:
-        e.close()
+    runs = in_stage_processes(folder, texts)
     assert {k: v[0] for k, v in runs.items()} == {k: v[0] for k, v in reference.items()}
     assert runs["all"][1] >= 28 and runs["some"][1] == 12
 
@@ -176,11 +181,7 @@ def test_recurrent_models_reuse_in_stage_processes_and_not_without_snapshots(hyb
     texts = prompts(320)
     texts = {"first": texts["first"], "all": texts["all"]}
     reference = in_sequence(engine(hybrid, "off"), texts, GREEDY)
-    e = engine(hybrid, "on", layer_split=(2,), devices=("cpu", "cpu"))
-    try:
-        runs = in_sequence(e, texts, GREEDY)
-    finally:
-        e.close()
+    runs = in_stage_processes(hybrid, texts)
     assert {k: v[0] for k, v in runs.items()} == {k: v[0] for k, v in reference.items()}
     assert runs["all"][1] == 28
     with caplog.at_level("INFO", logger="strata.engine"):

@@ -109,7 +109,6 @@ class Stage:
         if cache_size.host_blocks and paged:
             self.host_blocks = HostBlocks([*paged, *filter(None, [self.mtp_cache])],
                                           cache_size.host_blocks, cache_size.block_size)
-        if self.host_blocks is not None:
             log.info("stage %d conversation cache in host RAM: %d blocks, %.0f MiB", index,
                      cache_size.host_blocks, self.host_blocks.nbytes / 2**20)
 
