@@ -136,6 +136,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"[{done.prompt_tokens} prompt tokens, {len(done.token_ids)} generated in "
               f"{seconds:.2f} s ({len(done.token_ids) / max(seconds, 1e-9):.1f} tok/s), "
               f"finish: {done.finish_reason}; {done.drafts.summary()}]", file=sys.stderr)
+        for stage, stats in enumerate(llm.engine.expert_stats):
+            if stats.hits or stats.misses:
+                print(f"[stage {stage} experts: {stats.summary(len(done.token_ids))}]",
+                      file=sys.stderr)
     return 0
 
 

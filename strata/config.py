@@ -69,6 +69,27 @@ class EngineConfig:
         "the memory. MoE experts stay in their blocks too; embeddings, norms, routers and "
         "other types are always dequantized",
         choices=("on", "off")))
+    experts_in_ram: str = field(default="off", metadata=_opt(
+        "on: every routed MoE expert stays in host RAM (pinned, in its file's format) and "
+        "each stage caches as many as --expert-cache allows in VRAM; a window's experts "
+        "that miss are read from host RAM over PCIe by the kernels themselves and the "
+        "cache admits them (--expert-cache-policy, --pcie-frac). For models larger than "
+        "the GPUs; output is the same as with every expert on the device",
+        choices=("on", "off")))
+    expert_cache: str = field(default="auto", metadata=_opt(
+        "VRAM of each stage's expert cache (--experts-in-ram): N% of the stage's routed "
+        "experts, NGiB, or auto (what free device memory holds after the other weights "
+        "and the KV cache, less 10%; on a CPU stage all of them)"))
+    expert_cache_policy: str = field(default="lru", metadata=_opt(
+        "which cached expert makes room for one that missed: lru (least recently used; "
+        "every miss is admitted) or lfu (the least used, decayed per window, of the 32 "
+        "least recently used; a miss is admitted only if used more)",
+        choices=("lru", "lfu")))
+    pcie_frac: float = field(default=1.0, metadata=_opt(
+        "with --experts-in-ram: a window's uploads into the expert cache are at most this "
+        "share of the experts it read (0: the cache never changes after start-up; 1: every "
+        "miss may be admitted). Misses are read over PCIe either way; an upload pays "
+        "off only if the expert is used again before it is evicted (docs/EXPERTS.md)"))
     compile: str = field(default="on", metadata=_opt(
         "on: CUDA stages run RMSNorm, rotary embedding and the SiLU gate as torch.compile'd "
         "fused kernels (compiled once at start-up, in seconds); off: plain PyTorch",
@@ -217,6 +238,9 @@ class EngineConfig:
                               "--conversation-cache-slots at least 1")
         if self.state_snapshots is not None and self.state_snapshots < 0:
             raise StrataError(f"--state-snapshots must be >= 0 (got {self.state_snapshots})")
+        if self.pcie_frac < 0:
+            raise StrataError(f"--pcie-frac must be >= 0 (got {self.pcie_frac})")
+        self.expert_cache_size()  # checked here, resolved by each stage
         if self.kv_tokens is not None and self.kv_tokens < 1:
             raise StrataError(f"--kv-tokens must be at least 1 (got {self.kv_tokens})")
         if not self.devices:
@@ -279,6 +303,25 @@ class EngineConfig:
                               "stages (its kernels multiply the blocks): pip install "
                               "'strata[gpu]', or leave --quantized-weights off")
         return True
+
+    def expert_cache_size(self) -> tuple[str, float]:
+        """--expert-cache as ("auto", 0), ("share", fraction of the experts) or ("bytes", N)."""
+        text = self.expert_cache.strip().lower().replace(" ", "")
+        if text == "auto":
+            return "auto", 0.0
+        try:
+            if text.endswith("%"):
+                share = float(text[:-1]) / 100
+                if 0 <= share <= 1:
+                    return "share", share
+            elif text.endswith("gib"):
+                size = float(text[:-3])
+                if size >= 0:
+                    return "bytes", size * 2**30
+        except ValueError:
+            pass
+        raise StrataError(f"--expert-cache {self.expert_cache}: give a share of the experts "
+                          "(0% to 100%, e.g. 25%), a size (e.g. 12GiB) or auto")
 
     def kv_dtype(self) -> torch.dtype:
         return self.torch_dtype() if self.kv == "auto" else DTYPES[self.kv]

@@ -191,11 +191,12 @@ def compile_offline(arch: int, qtypes: tuple[str, str, str], tokens: int, dtype,
     def types(name: str) -> str:
         return ("*u8" if name in ("gate_ptr", "up_ptr", "down_ptr") else
                 "*i32" if name in ("counts_ptr", "starts_ptr") else
-                "*i64" if name in ("listed_ptr", "order_ptr") else
+                "*i64" if name in ("listed_ptr", "order_ptr", "rows_ptr") else
                 "*fp32" if name == "out_ptr" else
                 "*" + TRITON_TYPES[dtype] if name.endswith("_ptr") else "i32")
 
-    return [compile_kernel(kernel, arch, constants, types, launch)
+    cached = dict(CACHED=tokens > 1)  # an expert cache's rows table (decode: none)
+    return [compile_kernel(kernel, arch, constants | cached, types, launch)
             for kernel, constants in zip(kernels, (gate_up, down))]
 
 

@@ -18,6 +18,7 @@ from strata.config import EngineConfig
 from strata.drafting.pricing import StepMeter
 from strata.drafting.registry import build_policy
 from strata.engine.stalls import StallWatch
+from strata.experts.cache import ExpertStats
 from strata.errors import StrataError
 from strata.kvcache.spec import PagedKVSpec, keeps_slot_state
 from strata.models.registry import get_architecture
@@ -109,6 +110,8 @@ class Engine:
         self.runner: Runner = runner(config, self.checkpoint, self.scheduler.cache_size,
                                      mtp=use_mtp)
         self.stage_seconds = [0.0] * self.runner.num_stages  # compute time of each stage
+        # what each stage's expert cache did (--experts-in-ram), since start-up
+        self.expert_stats = [ExpertStats() for _ in range(self.runner.num_stages)]
         self.scheduler_seconds = 0.0  # time in step() outside collect: scheduling, commits
         self.stalls = StallWatch()    # warns of a step whose host time stalled
         # Stages computing in this process on the CPU: their time is compute, not a stall.
@@ -203,6 +206,8 @@ class Engine:
         commit = time.perf_counter()
         for stage, seconds in enumerate(result.stage_seconds):
             self.stage_seconds[stage] += seconds
+        for stats, delta in zip(self.expert_stats, result.expert_stats):
+            stats.add(delta)
         for observe in self.observers:
             observe(window, result)
         if self.meter is not None:

@@ -8,7 +8,9 @@ slice of rows (a grouped matrix product); the loop, where there is one, runs ove
 experts, never over tokens. Decode and verify windows on CUDA take the
 fused kernels of moe_triton.py instead. Expert weights are dense, or (`--quantized-weights
 on`) their GGUF blocks: the fused kernels decode them as they go, the grouped product
-dequantizes each routed expert.
+dequantizes each routed expert. With --experts-in-ram the routed experts live in host RAM
+and a stage-wide VRAM cache of them (strata/experts): `offload` then gives both paths
+their weights.
 """
 
 from __future__ import annotations
@@ -143,6 +145,8 @@ class GroupedExperts(nn.Module):
     host. `path` pins one (benchmarks); `auto` chooses per window."""
 
     path = "auto"
+    offload = None  # an expert cache's view (experts/cache.py: CachedExperts), set by the
+                    # stage with --experts-in-ram: the weights then live in host RAM
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int,
                  quantized: bool = False):
@@ -161,6 +165,8 @@ class GroupedExperts(nn.Module):
     @property
     def capture_limit(self) -> int:
         """Largest window (tokens) a CUDA graph may capture: the fused path's, where it runs."""
+        if self.offload is not None:
+            return FUSED_MAX_TOKENS if self._fused_runs(self.offload.cache.pool) else 0
         return FUSED_MAX_TOKENS if self._fused_runs(self.gate_proj) else 0
 
     @property
@@ -180,6 +186,8 @@ class GroupedExperts(nn.Module):
         if path == "auto":
             path = ("fused" if self._fused_runs(x) and x.shape[0] <= FUSED_MAX_TOKENS
                     else "grouped")
+        if path == "fused" and self.offload is not None:
+            return self.offload.fused(x, experts, weights)
         if path == "fused":
             from strata.layers import moe_triton
             if self.gate_proj.dtype == torch.uint8:
@@ -197,9 +205,16 @@ class GroupedExperts(nn.Module):
         order = torch.argsort(flat, stable=True)
         rows = x[order // top_k]                               # [T*k, hidden], grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
-        gate = grouped_mm(rows, self.gate_proj, counts)
-        up = grouped_mm(rows, self.up_proj, counts)
-        out = grouped_mm(F.silu(gate) * up, self.down_proj, counts)  # [T*k, hidden]
+        if self.offload is not None:  # each routed expert from its slot or host RAM
+            self.offload.count(counts)
+            gate_of, up_of, down_of = self.offload.getters(x.dtype)
+            gate = looped_mm(rows, counts, gate_of)
+            up = looped_mm(rows, counts, up_of)
+            out = looped_mm(F.silu(gate) * up, counts, down_of)
+        else:
+            gate = grouped_mm(rows, self.gate_proj, counts)
+            up = grouped_mm(rows, self.up_proj, counts)
+            out = grouped_mm(F.silu(gate) * up, self.down_proj, counts)  # [T*k, hidden]
         out = out * weights.reshape(-1)[order, None]
         result = torch.zeros_like(x)
         return result.index_add_(0, order // top_k, out)
@@ -212,21 +227,25 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -
     rows[i] @ weight[expert(i)].T."""
     if weight.dtype == torch.uint8:
         from strata import quant
-        out = rows.new_empty(rows.shape[0], weight.shape[1])
-        start = 0
-        for expert, count in enumerate(counts.tolist()):  # NOTE: one host read per layer
-            if count:
-                dense = quant.dequantize(weight[expert], weight.qtype, rows.dtype)
-                out[start:start + count] = rows[start:start + count] @ dense.T
-                start += count
-        return out
+        return looped_mm(rows, counts,
+                         lambda e: quant.dequantize(weight[e], weight.qtype, rows.dtype))
     if rows.is_cuda and rows.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
-    out = rows.new_empty(rows.shape[0], weight.shape[1])
+    return looped_mm(rows, counts, weight.__getitem__)
+
+
+def looped_mm(rows: torch.Tensor, counts: torch.Tensor, weight_of) -> torch.Tensor:
+    """grouped_mm one expert at a time: weight_of(e) is expert e's dense [out, in]."""
+    out = None
     start = 0
     for expert, count in enumerate(counts.tolist()):  # NOTE: one host read per layer
         if count:
-            out[start:start + count] = rows[start:start + count] @ weight[expert].T
+            w = weight_of(expert)
+            if out is None:
+                out = rows.new_empty(rows.shape[0], w.shape[0])
+            out[start:start + count] = rows[start:start + count] @ w.T
             start += count
+    if out is None:  # no rows
+        out = rows.new_empty(0, weight_of(0).shape[0])
     return out

@@ -128,26 +128,31 @@ def _store_weighted(acc, out_ptr, weights_ptr, order_ptr, start, slot, slot_ok, 
 
 
 @triton.jit
-def _program_tile(listed_ptr, counts_ptr, starts_ptr, num_cols, BLOCK_N: tl.constexpr):
-    """This program's expert (grid axis 0 walks the listed experts), its pairs' count and
+def _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr, num_cols,
+                  BLOCK_N: tl.constexpr, CACHED: tl.constexpr):
+    """This program's expert's row of the weights (grid axis 0 walks the listed experts;
+    the row is the expert itself, or where `rows` says when CACHED), its pairs' count and
     first slot, and its tile of BLOCK_N output columns (axis 1) with their mask."""
     expert = tl.load(listed_ptr + tl.program_id(0))
+    row = expert.to(tl.int64)
+    if CACHED:
+        row = tl.load(rows_ptr + expert)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return (expert, tl.load(counts_ptr + expert), tl.load(starts_ptr + expert), cols,
+    return (row, tl.load(counts_ptr + expert), tl.load(starts_ptr + expert), cols,
             cols < num_cols)
 
 
 @triton.jit
 def _gate_up(x_ptr, gate_ptr, up_ptr, h_ptr,           # [T, H], [E, I, H] x2, [T*k, I]
-             listed_ptr, counts_ptr, starts_ptr, order_ptr,  # [S], [E] x2, [T*k]
+             listed_ptr, counts_ptr, starts_ptr, order_ptr, rows_ptr,  # [S], [E] x2, [T*k]
              top_k, hidden, inter,
              stride_xt, stride_ge, stride_gi, stride_ue, stride_ui, stride_ht,
              BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             DOT_FP32: tl.constexpr):
-    expert, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr,
-                                                       inter, BLOCK_N)  # cols: rows of I
-    gate = gate_ptr + expert.to(tl.int64) * stride_ge + cols.to(tl.int64)[None, :] * stride_gi
-    up = up_ptr + expert.to(tl.int64) * stride_ue + cols.to(tl.int64)[None, :] * stride_ui
+             DOT_FP32: tl.constexpr, CACHED: tl.constexpr):
+    row, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
+                                                       inter, BLOCK_N, CACHED)  # cols: rows of I
+    gate = gate_ptr + row * stride_ge + cols.to(tl.int64)[None, :] * stride_gi
+    up = up_ptr + row * stride_ue + cols.to(tl.int64)[None, :] * stride_ui
     for first in range(0, count, BLOCK_T):  # once, unless a token names an expert twice
         slot = first + tl.arange(0, BLOCK_T)
         slot_ok = slot < count
@@ -171,14 +176,14 @@ def _gate_up(x_ptr, gate_ptr, up_ptr, h_ptr,           # [T, H], [E, I, H] x2, [
 
 @triton.jit
 def _down(h_ptr, down_ptr, weights_ptr, out_ptr,        # [T*k, I], [E, H, I], [T*k], [T*k, H]
-          listed_ptr, counts_ptr, starts_ptr, order_ptr,
+          listed_ptr, counts_ptr, starts_ptr, order_ptr, rows_ptr,
           hidden, inter,
           stride_ht, stride_de, stride_dh, stride_ot,
           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          DOT_FP32: tl.constexpr):
-    expert, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr,
-                                                       hidden, BLOCK_N)  # cols: rows of H
-    down = down_ptr + expert.to(tl.int64) * stride_de + cols.to(tl.int64)[None, :] * stride_dh
+          DOT_FP32: tl.constexpr, CACHED: tl.constexpr):
+    row, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
+                                                       hidden, BLOCK_N, CACHED)  # cols: rows of H
+    down = down_ptr + row * stride_de + cols.to(tl.int64)[None, :] * stride_dh
     for first in range(0, count, BLOCK_T):
         slot = first + tl.arange(0, BLOCK_T)
         slot_ok = slot < count
@@ -215,17 +220,17 @@ def _project(acc, rows, num_rows, blocks_ptr, row_start, row_ok, num_groups,
 
 @triton.jit
 def _gate_up_q(x_ptr, gate_ptr, up_ptr, h_ptr,        # [T, H], [E, I, bytes] u8 x2, [T*k, I]
-               listed_ptr, counts_ptr, starts_ptr, order_ptr,  # [S], [E] x2, [T*k]
+               listed_ptr, counts_ptr, starts_ptr, order_ptr, rows_ptr,  # [S], [E] x2, [T*k]
                top_k, inter, gate_groups, up_groups,
                stride_xt, stride_ge, stride_gi, stride_ue, stride_ui, stride_ht,
                GATE_FORMAT: tl.constexpr, GATE_C: tl.constexpr, GATE_OFFSET: tl.constexpr,
                UP_FORMAT: tl.constexpr, UP_C: tl.constexpr, UP_OFFSET: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
-               DOT_FP32: tl.constexpr):
-    expert, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr,
-                                                       inter, BLOCK_N)  # cols: rows of I
-    gate = expert.to(tl.int64) * stride_ge + cols.to(tl.int64) * stride_gi  # byte offsets
-    up = expert.to(tl.int64) * stride_ue + cols.to(tl.int64) * stride_ui
+               DOT_FP32: tl.constexpr, CACHED: tl.constexpr):
+    row, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
+                                                       inter, BLOCK_N, CACHED)  # cols: rows of I
+    gate = row * stride_ge + cols.to(tl.int64) * stride_gi  # byte offsets
+    up = row * stride_ue + cols.to(tl.int64) * stride_ui
     for first in range(0, count, BLOCK_T):  # once, unless a token names an expert twice
         slot = first + tl.arange(0, BLOCK_T)
         slot_ok = slot < count
@@ -242,15 +247,15 @@ def _gate_up_q(x_ptr, gate_ptr, up_ptr, h_ptr,        # [T, H], [E, I, bytes] u8
 
 @triton.jit
 def _down_q(h_ptr, down_ptr, weights_ptr, out_ptr,    # [T*k, I], [E, H, bytes] u8, [T*k], [T*k, H]
-            listed_ptr, counts_ptr, starts_ptr, order_ptr,
+            listed_ptr, counts_ptr, starts_ptr, order_ptr, rows_ptr,
             hidden, down_groups,
             stride_ht, stride_de, stride_dh, stride_ot,
             FORMAT: tl.constexpr, C: tl.constexpr, HAS_OFFSET: tl.constexpr,
             BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
-            DOT_FP32: tl.constexpr):
-    expert, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr,
-                                                       hidden, BLOCK_N)  # cols: rows of H
-    down = expert.to(tl.int64) * stride_de + cols.to(tl.int64) * stride_dh  # byte offsets
+            DOT_FP32: tl.constexpr, CACHED: tl.constexpr):
+    row, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
+                                                       hidden, BLOCK_N, CACHED)  # cols: rows of H
+    down = row * stride_de + cols.to(tl.int64) * stride_dh  # byte offsets
     for first in range(0, count, BLOCK_T):
         slot = first + tl.arange(0, BLOCK_T)
         slot_ok = slot < count
@@ -279,20 +284,20 @@ def _row_dot(acc, blocks_ptr, row_start, x_row, num_blocks, FORMAT: tl.constexpr
 
 @triton.jit
 def _gate_up_q_rows(x_ptr, gate_ptr, up_ptr, h_ptr,   # [T, H], [E, I, bytes] u8 x2, [T*k, I]
-                    listed_ptr, counts_ptr, starts_ptr, order_ptr,
+                    listed_ptr, counts_ptr, starts_ptr, order_ptr, rows_ptr,
                     top_k, inter, gate_blocks, up_blocks,
                     stride_xt, stride_ge, stride_gi, stride_ue, stride_ui, stride_ht,
                     GATE_FORMAT: tl.constexpr, GATE_G: tl.constexpr, GATE_C: tl.constexpr,
                     GATE_BYTES: tl.constexpr, GATE_VALUES: tl.constexpr,
                     UP_FORMAT: tl.constexpr, UP_G: tl.constexpr, UP_C: tl.constexpr,
-                    UP_BYTES: tl.constexpr, UP_VALUES: tl.constexpr, ROWS: tl.constexpr):
+                    UP_BYTES: tl.constexpr, UP_VALUES: tl.constexpr, ROWS: tl.constexpr, CACHED: tl.constexpr):
     """A window of a few tokens: ROWS rows of I of one expert, each pair in turn, the
     blocks walked whole (the pairs of one expert re-read its rows: from L2)."""
-    expert, count, start, rows, row_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr,
-                                                       inter, ROWS)
+    row, count, start, rows, row_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
+                                                       inter, ROWS, CACHED)
     safe = tl.where(row_ok, rows, 0).to(tl.int64)
-    gate = expert.to(tl.int64) * stride_ge + safe * stride_gi
-    up = expert.to(tl.int64) * stride_ue + safe * stride_ui
+    gate = row * stride_ge + safe * stride_gi
+    up = row * stride_ue + safe * stride_ui
     for s in range(0, count):
         pair = tl.load(order_ptr + start + s)
         x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
@@ -307,13 +312,13 @@ def _gate_up_q_rows(x_ptr, gate_ptr, up_ptr, h_ptr,   # [T, H], [E, I, bytes] u8
 
 @triton.jit
 def _down_q_rows(h_ptr, down_ptr, weights_ptr, out_ptr,  # [T*k, I], [E, H, bytes] u8, ...
-                 listed_ptr, counts_ptr, starts_ptr, order_ptr,
+                 listed_ptr, counts_ptr, starts_ptr, order_ptr, rows_ptr,
                  hidden, down_blocks, stride_ht, stride_de, stride_dh, stride_ot,
                  FORMAT: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
-                 BLOCK_BYTES: tl.constexpr, BLOCK_VALUES: tl.constexpr, ROWS: tl.constexpr):
-    expert, count, start, rows, row_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr,
-                                                       hidden, ROWS)
-    down = expert.to(tl.int64) * stride_de + tl.where(row_ok, rows, 0).to(tl.int64) * stride_dh
+                 BLOCK_BYTES: tl.constexpr, BLOCK_VALUES: tl.constexpr, ROWS: tl.constexpr, CACHED: tl.constexpr):
+    row, count, start, rows, row_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
+                                                       hidden, ROWS, CACHED)
+    down = row * stride_de + tl.where(row_ok, rows, 0).to(tl.int64) * stride_dh
     for s in range(0, count):
         pair = tl.load(order_ptr + start + s)
         acc = _row_dot(tl.zeros([ROWS], dtype=tl.float32), down_ptr, down,
@@ -376,7 +381,7 @@ def _check(x, experts, weights, gate_proj, up_proj, down_proj) -> None:
         if w.dim() != 3 or w.dtype != x.dtype:
             raise ValueError(f"{name} must be a 3-D {x.dtype} tensor, not {w.dtype} of "
                              f"shape {tuple(w.shape)}")
-    num_experts, inter = gate_proj.shape[:2]
+    num_experts, inter = gate_proj.shape[:2]  # with a rows table: the cache's slots
     if gate_proj.shape != (num_experts, inter, hidden) or up_proj.shape != gate_proj.shape:
         raise ValueError(f"gate_proj and up_proj must be [experts, intermediate, {hidden}] "
                          f"alike, not {tuple(gate_proj.shape)} and {tuple(up_proj.shape)}")
@@ -458,6 +463,20 @@ def _route_pairs(experts_ptr, counts_ptr, starts_ptr, order_ptr, listed_ptr,
 ROUTE_CHUNK = 32  # pairs per step of _route_pairs ([EXPERTS, 32] comparisons at most)
 
 
+def _note_usage(rows: torch.Tensor | None, usage: torch.Tensor | None,
+                counts: torch.Tensor) -> torch.Tensor:
+    """The rows table the kernels read (the counts, unread, where there is none), after
+    adding the window's pair counts to `usage`."""
+    if rows is None:
+        return counts
+    if rows.dtype != torch.int64 or rows.dim() != 1 or rows.device != counts.device:
+        raise ValueError(f"rows must be an int64 tensor [experts] on {counts.device}, not "
+                         f"{rows.dtype} of shape {tuple(rows.shape)} on {rows.device}")
+    if usage is not None:
+        usage += counts
+    return rows
+
+
 def _route(experts: torch.Tensor, num_experts: int):
     """The window's pairs grouped by expert, on the device: (counts [E] int32, starts [E]
     int32 (each expert's first slot), order [T*k] int64 (the pairs by expert, stably),
@@ -479,33 +498,41 @@ def _route(experts: torch.Tensor, num_experts: int):
 
 
 def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                  gate_proj: torch.Tensor, up_proj: torch.Tensor,
-                  down_proj: torch.Tensor) -> torch.Tensor:
+                  gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
+                  rows: torch.Tensor | None = None,
+                  usage: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, j], for
     x [T, H] (1 <= T <= 32; float32, bfloat16 or float16), experts [T, k] (int64 or
     int32 ids in 0..E-1, 1 <= k <= 10), weights [T, k] (any float dtype), gate_proj and
     up_proj [E, I, H] and down_proj [E, H, I] in x's dtype -> [T, H] in x's dtype: what
-    `GroupedExperts.forward` computes, without a host sync."""
+    `GroupedExperts.forward` computes, without a host sync. With `rows` (int64 [E]) the
+    projections are a cache's slots and expert e's weights are their row rows[e], which
+    may lie outside them (an expert kept in host memory: the row's address, relative to
+    each projection's first row, is where its bytes are); `usage` (int32 [E]) then gains
+    each expert's pair count."""
     _check(x, experts, weights, gate_proj, up_proj, down_proj)
     tokens, hidden = x.shape
     top_k = experts.shape[1]
-    num_experts, inter = gate_proj.shape[:2]
+    num_experts, inter = (len(rows) if rows is not None else gate_proj.shape[0],
+                          gate_proj.shape[1])
     pairs = tokens * top_k
     x = x.contiguous()
     gate_proj, up_proj, down_proj = map(_inner_contiguous, (gate_proj, up_proj, down_proj))
     counts, starts, order, listed = _route(experts, num_experts)
+    cached = _note_usage(rows, usage, counts)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     gate_up_constants, down_constants, launch = kernel_constants(
         tokens, hidden, inter, x.dtype, x.device.type)
     _gate_up[(listed.shape[0], triton.cdiv(inter, gate_up_constants["BLOCK_N"]))](
-        x, gate_proj, up_proj, h, listed, counts, starts, order, top_k, hidden, inter,
-        x.stride(0), gate_proj.stride(0), gate_proj.stride(1), up_proj.stride(0),
-        up_proj.stride(1), h.stride(0), **gate_up_constants, **launch)
+        x, gate_proj, up_proj, h, listed, counts, starts, order, cached, top_k, hidden,
+        inter, x.stride(0), gate_proj.stride(0), gate_proj.stride(1), up_proj.stride(0),
+        up_proj.stride(1), h.stride(0), **gate_up_constants, CACHED=rows is not None,
+        **launch)
     _down[(listed.shape[0], triton.cdiv(hidden, down_constants["BLOCK_N"]))](
         h, down_proj, weights.reshape(-1).contiguous(), out, listed, counts, starts, order,
-        hidden, inter, h.stride(0), down_proj.stride(0), down_proj.stride(1), out.stride(0),
-        **down_constants, **launch)
+        cached, hidden, inter, h.stride(0), down_proj.stride(0), down_proj.stride(1),
+        out.stride(0), **down_constants, CACHED=rows is not None, **launch)
     return _combined(out, tokens, top_k, x.dtype)
 
 
@@ -567,13 +594,16 @@ def _check_inner(name: str, qtype: str, values: int, size: int, what: str) -> No
 
 def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                             gate: tuple[torch.Tensor, str], up: tuple[torch.Tensor, str],
-                            down: tuple[torch.Tensor, str]) -> torch.Tensor:
+                            down: tuple[torch.Tensor, str],
+                            rows: torch.Tensor | None = None,
+                            usage: torch.Tensor | None = None) -> torch.Tensor:
     """`fused_experts` with quantized experts: gate, up and down each a pair (blocks,
     qtype) of a format of strata/quant/formats.py (each its own), gate and up blocks
     uint8 [E, I, row bytes of H], down blocks uint8 [E, H, row bytes of I], as the GGUF
     file stores them -> [T, H] in x's dtype: what `GroupedExperts.forward` computes with
     the experts dequantized, without a host sync. H and I must be whole blocks of their
-    formats (multiples of 256 for the K-quants, 32 for Q8_0 and Q4_x)."""
+    formats (multiples of 256 for the K-quants, 32 for Q8_0 and Q4_x). `rows` and
+    `usage` are `fused_experts`' (a cache's slots, experts kept in host memory)."""
     caller = "fused_experts_quantized"
     _check_window(x, experts, weights, caller)
     tokens, hidden = x.shape
@@ -596,31 +626,36 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: tor
 
     pairs = tokens * top_k
     x = x.contiguous()
-    counts, starts, order, listed = _route(experts, num_experts)
+    counts, starts, order, listed = _route(experts, len(rows) if rows is not None
+                                           else num_experts)
+    cached = _note_usage(rows, usage, counts)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     if tokens <= ROW_TOKENS:  # decode: each expert's rows walked block by block
         gate_up_rows, down_rows = quantized_row_constants((gate_qtype, up_qtype, down_qtype))
         _gate_up_q_rows[(listed.shape[0], triton.cdiv(inter, ROW_BLOCK))](
-            x, gate_blocks, up_blocks, h, listed, counts, starts, order, top_k, inter,
+            x, gate_blocks, up_blocks, h, listed, counts, starts, order, cached, top_k, inter,
             hidden // FORMATS[gate_qtype].block_values, hidden // FORMATS[up_qtype].block_values,
             x.stride(0), gate_blocks.stride(0), gate_blocks.stride(1), up_blocks.stride(0),
-            up_blocks.stride(1), h.stride(0), **gate_up_rows, num_warps=1)
+            up_blocks.stride(1), h.stride(0), **gate_up_rows, CACHED=rows is not None,
+            num_warps=1)
         _down_q_rows[(listed.shape[0], triton.cdiv(hidden, ROW_BLOCK))](
             h, down_blocks, weights.reshape(-1).contiguous(), out, listed, counts, starts,
-            order, hidden, inter // FORMATS[down_qtype].block_values, h.stride(0),
+            order, cached, hidden, inter // FORMATS[down_qtype].block_values, h.stride(0),
             down_blocks.stride(0), down_blocks.stride(1), out.stride(0), **down_rows,
-            num_warps=1)
+            CACHED=rows is not None, num_warps=1)
         return _combined(out, tokens, top_k, x.dtype)
     gate_up_constants, down_constants, launch = quantized_constants(
         tokens, x.dtype, (gate_qtype, up_qtype, down_qtype), hidden, inter, x.device.type)
     _gate_up_q[(listed.shape[0], triton.cdiv(inter, gate_up_constants["BLOCK_N"]))](
-        x, gate_blocks, up_blocks, h, listed, counts, starts, order, top_k, inter,
+        x, gate_blocks, up_blocks, h, listed, counts, starts, order, cached, top_k, inter,
         hidden // GROUPS[gate_qtype][0], hidden // GROUPS[up_qtype][0],
         x.stride(0), gate_blocks.stride(0), gate_blocks.stride(1), up_blocks.stride(0),
-        up_blocks.stride(1), h.stride(0), **gate_up_constants, **launch)
+        up_blocks.stride(1), h.stride(0), **gate_up_constants, CACHED=rows is not None,
+        **launch)
     _down_q[(listed.shape[0], triton.cdiv(hidden, down_constants["BLOCK_N"]))](
         h, down_blocks, weights.reshape(-1).contiguous(), out, listed, counts, starts, order,
-        hidden, inter // GROUPS[down_qtype][0], h.stride(0), down_blocks.stride(0),
-        down_blocks.stride(1), out.stride(0), **down_constants, **launch)
+        cached, hidden, inter // GROUPS[down_qtype][0], h.stride(0), down_blocks.stride(0),
+        down_blocks.stride(1), out.stride(0), **down_constants, CACHED=rows is not None,
+        **launch)
     return _combined(out, tokens, top_k, x.dtype)

@@ -90,14 +90,15 @@ def recv_object(src: int, group=None):
 
 
 class HiddenLink:
-    """Hidden states [T, hidden] and the compute seconds [S] between two neighbouring
-    stages: on the GPU through `nccl_group`, or through host memory on gloo (CPU stages, or
-    stages sharing a GPU)."""
+    """Hidden states [T, hidden] and each stage's report (float64 [S, width]: its compute
+    seconds, then what its expert cache did) between two neighbouring stages: on the GPU
+    through `nccl_group`, or through host memory on gloo (CPU stages, or stages sharing a
+    GPU)."""
 
     def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 num_stages: int, nccl_group=None):
+                 num_stages: int, nccl_group=None, width: int = 1):
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
-        self.num_stages, self.group = num_stages, nccl_group
+        self.num_stages, self.group, self.width = num_stages, nccl_group, width
 
     def send(self, x: torch.Tensor, seconds: torch.Tensor, dst: int, pending: Pending) -> None:
         if self.group is not None:
@@ -106,19 +107,21 @@ class HiddenLink:
             pending.add(dist.isend(seconds, dst), seconds)
             return
         hidden = x.detach().to("cpu").contiguous().view(-1).view(torch.uint8)  # NOTE: host sync
-        data = torch.cat([hidden, seconds.view(torch.uint8)])
+        data = torch.cat([hidden, seconds.reshape(-1).view(torch.uint8)])
         pending.add(dist.isend(data, dst), data)
 
     def recv(self, num_tokens: int, src: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden [T, hidden] on the GPU or the host, seconds float64 [S] on the host)."""
+        """(hidden [T, hidden] on the GPU or the host, reports float64 [S, width] on the
+        host)."""
         shape = (num_tokens, self.hidden_size)
         if self.group is not None:
             x = torch.empty(shape, dtype=self.dtype, device=self.device)
             dist.recv(x, src, group=self.group)
-            seconds = torch.empty(self.num_stages, dtype=torch.float64)
+            seconds = torch.empty(self.num_stages, self.width, dtype=torch.float64)
             dist.recv(seconds, src)
             return x, seconds
         size = num_tokens * self.hidden_size * torch.finfo(self.dtype).bits // 8
-        data = torch.empty(size + 8 * self.num_stages, dtype=torch.uint8)
+        data = torch.empty(size + 8 * self.num_stages * self.width, dtype=torch.uint8)
         dist.recv(data, src)
-        return data[:size].view(self.dtype).view(shape), data[size:].view(torch.float64).clone()
+        reports = data[size:].view(torch.float64).view(self.num_stages, self.width)
+        return data[:size].view(self.dtype).view(shape), reports.clone()

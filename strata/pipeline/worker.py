@@ -3,7 +3,8 @@
 Each window: the header from rank 0, the hidden states from the previous stage (stage 0
 embeds the header's token ids), this stage's layers, then the hidden states on to the next
 stage, or, on the last stage, verification and MTP drafts and the result back to rank 0.
-Per window a small float64 vector carries every stage's compute seconds down the pipe.
+Per window a small float64 table carries every stage's report (compute seconds, expert
+cache counts) down the pipe.
 The stage decides nothing: the header says where every token goes. It exits when rank 0
 says stop, when its parent dies, and when any send or receive fails (a neighbour died:
 exit code NEIGHBOUR_GONE, so the engine names the stage that died first, not this one).
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from strata.pipeline import rendezvous
 from strata.pipeline.transport import HiddenLink, Pending, recv_object, send_object
 from strata.stage.results import WindowVerifier
-from strata.stage.stage import build_stage
+from strata.stage.stage import REPORT, build_stage
 from strata.weights.checkpoint import open_checkpoint
 
 log = logging.getLogger("strata.stage")
@@ -104,7 +105,7 @@ class StageLoop:
         self.rank = index + 1
         self.first, self.last = index == 0, index == plan.num_stages - 1
         self.link = HiddenLink(hidden_size, plan.config.torch_dtype(), stage.device,
-                               plan.num_stages, groups.hidden)
+                               plan.num_stages, groups.hidden, width=REPORT)
         self.pending = Pending()
         self.cuda = stage.device.type == "cuda"
 
@@ -122,7 +123,7 @@ class StageLoop:
         prepared = time.perf_counter() - start
         if self.first:
             x = header.token_ids
-            seconds = torch.zeros(self.num_stages, dtype=torch.float64)
+            seconds = torch.zeros(self.num_stages, REPORT, dtype=torch.float64)
         else:
             x, seconds = _transport(self.link.recv, header.num_tokens, self.rank - 1)
         start = time.perf_counter()
@@ -131,13 +132,17 @@ class StageLoop:
         if not self.last:
             if self.cuda:
                 torch.cuda.synchronize(self.stage.device)  # NOTE: so that seconds are compute
-            seconds[self.index] = prepared + time.perf_counter() - start
+            seconds[self.index] = torch.tensor(
+                self.stage.report(prepared + time.perf_counter() - start))
             _transport(self.link.send, out, seconds, self.rank + 1, self.pending)
             return
         logits, hidden = out
         result = self.verifier.finish(self.verifier.launch(header, logits, hidden))  # host read
-        seconds[self.index] = prepared + time.perf_counter() - start
-        result.stage_seconds = seconds.tolist()
+        seconds[self.index] = torch.tensor(
+            self.stage.report(prepared + time.perf_counter() - start))
+        result.stage_seconds = seconds[:, 0].tolist()
+        if self.stage.offload is not None:  # the engine runs every stage with the flag
+            result.expert_stats = seconds[:, 1:].tolist()
         _transport(send_object, result, 0, self.pending, group=self.groups.results)
 
 

@@ -334,6 +334,7 @@ class AsyncEngine:
                 if engine.meter is not None:
                     self.metrics.observe_pricing(engine.meter.pricing)
                 self.metrics.observe_stages(engine.stage_seconds, engine.scheduler_seconds)
+                self.metrics.observe_experts(engine.expert_stats)
             scheduler = engine.scheduler
             self.metrics.queue_length.set(len(scheduler.waiting))
             self.metrics.slots_used.set(scheduler.num_running)

@@ -60,7 +60,20 @@ class Metrics:
                                  "What drafting costs now, measured (--spec-pricing measured): "
                                  "a drafted entry and a drafted token, in tokens", ["per"],
                                  registry=r)
+        self.expert_reads = Counter(
+            "strata_expert_reads", "--experts-in-ram: distinct experts each window's MoE "
+            "layers read, from the VRAM cache (hit) or host RAM over PCIe (miss), by stage",
+            ["stage", "result"], registry=r)
+        self.expert_bytes = Counter(
+            "strata_expert_bytes", "--experts-in-ram: bytes over PCIe, by stage: experts "
+            "read by the kernels from host RAM (read) and copied into the cache (upload)",
+            ["stage", "kind"], registry=r)
+        self.expert_upload_seconds = Counter(
+            "strata_expert_upload_seconds", "--experts-in-ram: side-stream time of the "
+            "uploads into the expert cache (hidden under compute), by stage", ["stage"],
+            registry=r)
         self._seen: dict[str, tuple[int, int]] = {}
+        self._expert_seen: dict[int, list[float]] = {}
         self._stage_seen: list[float] = []
         self._scheduler_seen = 0.0
         self._cached_seen = self._preempted_seen = self._restored_seen = 0
@@ -110,6 +123,23 @@ class Metrics:
             if now > seen:
                 self.stage_busy.labels(str(stage)).inc(now - seen)
         self._stage_seen = list(seconds)
+
+    def observe_experts(self, stats: list) -> None:
+        """Add what each stage's expert cache (ExpertStats, since start-up) did since the
+        last call."""
+        for stage, now in enumerate(stats):
+            values = now.vector()
+            if not any(values):
+                continue
+            seen = self._expert_seen.get(stage, [0.0] * len(values))
+            hits, misses, read, upload, seconds = (a - b for a, b in zip(values, seen))
+            label = str(stage)
+            self.expert_reads.labels(label, "hit").inc(hits)
+            self.expert_reads.labels(label, "miss").inc(misses)
+            self.expert_bytes.labels(label, "read").inc(read)
+            self.expert_bytes.labels(label, "upload").inc(upload)
+            self.expert_upload_seconds.labels(label).inc(seconds)
+            self._expert_seen[stage] = values
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -35,6 +35,9 @@ class WindowResult:
     stage_drafts: list[Draft] | None = None  # per sampling entry: the MTP layer's drafts
     logits: torch.Tensor | None = None  # [T, vocab] on the host, for logits_all windows only
     stage_seconds: list[float] = field(default_factory=list)  # each stage's compute time
+    # each stage's expert cache counts since its last report (ExpertStats' fields), where
+    # a stage keeps experts in host RAM; else empty
+    expert_stats: list[list[float]] = field(default_factory=list)
     errors: list[str | None] | None = None  # per sampling entry: why it failed, or None
     logprobs: list[list[TokenLogprob] | None] | None = None  # per sampling entry, if asked
 

@@ -145,6 +145,8 @@ class ModelRunner:
         result.stage_seconds = [  # a CUDA stage's GPU time, a CPU stage's own
             spent if pair is None else pair[0].elapsed_time(pair[1]) / 1e3
             for spent, pair in zip(seconds, events)]
+        if any(stage.experts is not None for stage in self.stages):
+            result.expert_stats = [stage.report()[1:] for stage in self.stages]
         return window, result
 
     def close(self) -> None:

@@ -16,12 +16,15 @@ from tqdm import tqdm
 
 from strata.attention import AttentionBatch, get_backend
 from strata.config import EngineConfig
+from strata.experts import ExpertOffload
+from strata.experts.cache import ExpertCache, ExpertStats
 from strata.errors import StrataError
 from strata.kvcache.cache import Cache, HostBlocks, PagedKVCache, SlotStateCache, allocate
 from strata.kvcache.spec import CacheSize
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.fused import enable_compile
 from strata.layers.linear import LinearFactory, WeightFormat
+from strata.layers.moe import GroupedExperts
 from strata.layers.state_meta import StateMeta
 from strata.layers.rotary import RotaryEmbedding
 from strata.models.registry import Architecture, get_architecture
@@ -29,9 +32,12 @@ from strata.quant import triton_available
 from strata.scheduler.window import WindowHeader
 from strata.stage.buckets import WindowShape, bucket_sizes
 from strata.stage.graphs import GraphCall, StageGraphs
+from strata.weights.experts import STACKED
 from strata.weights.loader import LoadStats, load_module
 
 log = logging.getLogger("strata.engine")
+
+REPORT = 1 + len(ExpertStats.names())  # numbers in a stage's report() per window
 
 
 class StageModule(nn.Module):
@@ -72,9 +78,10 @@ class Stage:
     def __init__(self, index: int, arch: Architecture, layers: tuple[int, int], num_stages: int,
                  device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
                  cache_size: CacheSize, mtp: bool = False, attention_backend: str = "auto",
-                 compile_layers: bool = False):
+                 compile_layers: bool = False, offload: ExpertOffload | None = None):
         self.index, self.layers, self.device, self.dtype = index, layers, device, dtype
-        self.arch, self.cache_size = arch, cache_size
+        self.arch, self.cache_size, self.offload = arch, cache_size, offload
+        self.experts: ExpertCache | None = None  # set by load() with --experts-in-ram
         self.graphs: StageGraphs | None = None  # set by capture_graphs()
         self.weights: LoadStats | None = None   # set by load(): what stays quantized
         last = index == num_stages - 1
@@ -118,9 +125,38 @@ class Stage:
         `mtp.`."""
         self.weights = load_module(self.module, checkpoint, self.arch, device=self.device,
                                    dtype=self.dtype, progress=progress,
-                                   checkpoint_name=lambda name: name.removeprefix("mtp."))
+                                   checkpoint_name=lambda name: name.removeprefix("mtp."),
+                                   in_host_ram=self._in_host_ram)
         log.info("stage %d weights on %s: %s", self.index, self.device,
                  self.weights.describe())
+        if self.weights.host_bytes:
+            self.experts = self._expert_cache()
+
+    def _in_host_ram(self, name: str) -> bool:
+        """Routed experts of the stage's layers, with --experts-in-ram."""
+        return (self.offload is not None and name.startswith("model.layers.")
+                and name.endswith(STACKED))
+
+    def _expert_cache(self) -> ExpertCache:
+        """The routed experts (loaded in host RAM) behind a VRAM cache of the size
+        --expert-cache asks for."""
+        layers = [m for m in self.module.model.layers.modules()
+                  if isinstance(m, GroupedExperts)]
+        num_experts = sum(m.num_experts for m in layers)
+        expert_bytes = sum(getattr(layers[0], n)[0].nbytes
+                           for n in ("gate_proj", "up_proj", "down_proj"))
+        kind, value = self.offload.size
+        if kind == "share":
+            slots = round(value * num_experts)
+        elif kind == "bytes":
+            slots = int(value // expert_bytes)
+        elif self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+            slots = int(0.9 * free // expert_bytes)
+        else:
+            slots = num_experts
+        return ExpertCache(layers, self.device, min(slots, num_experts), self.offload.policy,
+                           self.offload.pcie_frac)
 
     def capture_graphs(self, config: EngineConfig) -> None:
         """Capture this stage's forward as CUDA graphs (--cuda-graphs) for windows of up
@@ -145,10 +181,21 @@ class Stage:
         with torch.cuda.device(self.device):
             graphs.capture()
         self.graphs = graphs
+        if self.experts is not None:
+            self.experts.reset_usage()
+
+    def report(self, seconds: float = 0.0) -> list[float]:
+        """[compute seconds, the expert cache's counts since the last report...]: what
+        the stage tells the engine per window (zeros where it keeps no experts in RAM)."""
+        experts = (self.experts.take_stats() if self.experts is not None
+                   else [0.0] * len(ExpertStats.names()))
+        return [seconds, *experts]
 
     def move_blocks(self, header: WindowHeader) -> None:
         """The window's copies, before it computes: KV blocks to and from host RAM
         (kvcache/host.py), then rows of per-slot state (kvcache/snapshots.py)."""
+        if self.experts is not None:
+            self.experts.before_window()
         if self.host_blocks is not None and (header.spills or header.restores):
             self.host_blocks.copy(header.spills, header.restores)
         for source, target in header.state_copies:
@@ -173,8 +220,12 @@ class Stage:
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, meta: ForwardMeta | GraphCall):
         if isinstance(meta, GraphCall):
-            return self.graphs.replay(x, meta)
-        return self.module(x.to(self.device, non_blocking=True), meta, self.caches)
+            out = self.graphs.replay(x, meta)
+        else:
+            out = self.module(x.to(self.device, non_blocking=True), meta, self.caches)
+        if self.experts is not None:
+            self.experts.after_window()
+        return out
 
 
 def graphs_unavailable(stage: Stage) -> str | None:
@@ -210,4 +261,4 @@ def build_stage(config, model_config, index: int, cache_size: CacheSize,
     return Stage(index, arch, ranges[index], len(ranges), config.stage_device(index), dtype,
                  config.kv_dtype(), cache_size, mtp=mtp,
                  attention_backend=config.attention_backend,
-                 compile_layers=config.compile == "on")
+                 compile_layers=config.compile == "on", offload=ExpertOffload.of(config))

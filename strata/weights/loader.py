@@ -74,34 +74,42 @@ class LoadStats:
     quantized: Counter = field(default_factory=Counter)  # format -> tensors kept in it
     quantized_bytes: int = 0
     dense_bytes: int = 0
+    host_bytes: int = 0  # placed in host RAM instead (--experts-in-ram)
 
     def describe(self) -> str:
         formats = ", ".join(f"{n} {t}" for t, n in sorted(self.quantized.items()))
         kept = (f"{sum(self.quantized.values())} weights ({formats}) stay quantized, "
                 f"{self.quantized_bytes / 2**20:.1f} MiB" if self.quantized
                 else "no weight stays quantized")
-        return f"{kept}; {self.dense_bytes / 2**20:.1f} MiB dense"
+        host = f"; {self.host_bytes / 2**20:.1f} MiB in host RAM" if self.host_bytes else ""
+        return f"{kept}; {self.dense_bytes / 2**20:.1f} MiB dense{host}"
 
 
 def load_module(module: nn.Module, checkpoint, arch: Architecture, *, device: torch.device,
                 dtype: torch.dtype, checkpoint_name: Callable[[str], str] = lambda n: n,
-                progress: tqdm | None = None) -> LoadStats:
-    """Materialise every parameter of `module` on `device`: `dtype` unless its spec pins
-    another, or its blocks where the spec allows it and the file stores a supported
-    format. `checkpoint_name` maps a parameter's name in the module to the checkpoint's."""
+                progress: tqdm | None = None,
+                in_host_ram: Callable[[str], bool] = lambda n: False) -> LoadStats:
+    """Materialise every parameter of `module` on `device` (host memory for those that
+    `in_host_ram` names): `dtype` unless its spec pins another, or its blocks where the
+    spec allows it and the file stores a supported format. `checkpoint_name` maps a
+    parameter's name in the module to the checkpoint's."""
     stats = LoadStats()
+    stage_device = device
     for name, param in list(module.named_parameters()):
+        device = torch.device("cpu") if in_host_ram(name) else stage_device
         spec = spec_of(param)
         target = spec.dtype or dtype
         qtype = None
-        if checkpoint.format == "random":
-            value = (checkpoint.blocks(name, tuple(param.shape), device)
+        if checkpoint.format == "random":  # drawn on the stage's device (the same values
+            # wherever they are kept, and fast), then moved
+            value = (checkpoint.blocks(name, tuple(param.shape), stage_device)
                      if spec.quantized else None)
             if value is not None:
                 qtype = checkpoint.qtype
             else:
-                value = torch.empty(param.shape, dtype=target, device=device)
+                value = torch.empty(param.shape, dtype=target, device=stage_device)
                 checkpoint.fill(name, value)
+            value = value.to(device)
         else:
             stored = read_checked(arch, checkpoint, checkpoint_name(name), param.shape, spec)
             if spec.quantized and param.dim() in (2, 3) and stored.type in FORMATS \
@@ -114,6 +122,9 @@ def load_module(module: nn.Module, checkpoint, arch: Architecture, *, device: to
         size = value.numel() * value.element_size()
         if qtype is not None:
             loaded.qtype = qtype  # NOTE: read by Linear.forward
+        if in_host_ram(name):
+            stats.host_bytes += size
+        elif qtype is not None:
             stats.quantized[qtype] += 1
             stats.quantized_bytes += size
         else:

@@ -1,0 +1,345 @@
+"""ExpertCache: one stage's routed experts in host RAM, a VRAM pool of slots caching them,
+and the per-window protocol that keeps the two consistent while windows are in flight.
+
+Layout. Each MoE layer's experts are one host tensor [E, B] (B: an expert's gate, up and
+down weights end to end, dense or in their GGUF blocks), pinned on a CUDA stage; the pool
+is one device tensor [slots, B] shared by all of the stage's MoE layers. A layer's
+projections, as its kernels see them, are views of the pool ([slots, I, H], ...), and a
+rows table [layers, E] (int64, on the device) says where each expert's bytes are: its
+slot, or the row of the pool's views that lands on the expert's bytes in host memory
+(each host tensor is placed so that its distance from the pool is a whole number of rows).
+So the fused kernels (layers/moe_triton.py) read hits from VRAM and misses straight from
+host RAM over PCIe, with no host sync and nothing that changes shape: CUDA graphs capture
+them, and a miss costs its bytes over PCIe once, overlapped with the hits' compute.
+
+Per window (Stage.move_blocks calls before_window, Stage.forward after_window):
+  after_window   the window's pair counts per expert (added up on the device by the
+                 layers) are copied to host memory behind an event, and zeroed.
+  before_window  counts whose copy is done are observed at the residency that window ran
+                 with (hits, misses); misses are admitted (policy.py), at most --pcie-frac
+                 of the window's expert reads: a victim's row points back at host memory
+                 at once; uploads whose copies are done point their experts' rows at their
+                 slots; the rows table goes to the device in one copy, then an event; new
+                 uploads run on a side stream after that event (so no window still reading
+                 a victim's slot is disturbed), and their own event tells a later
+                 before_window that they are done.
+Windows larger than the fused path (prompt chunks) and CPU stages take the grouped path
+(layers/moe.py), each routed expert read from its slot or its host row.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+from torch import nn
+
+from strata.experts.policy import ExpertCachePolicy
+
+log = logging.getLogger("strata.engine")
+
+USAGE_RING = 4  # windows whose counts may be on their way to the host at once
+
+
+@dataclass
+class ExpertStats:
+    """What a stage's expert cache did (counts since start-up, or a delta)."""
+    hits: float = 0          # distinct (layer, expert) reads from VRAM, per window
+    misses: float = 0        # ... from host RAM (over PCIe, by the kernels themselves)
+    read_bytes: float = 0    # bytes the misses read over PCIe
+    upload_bytes: float = 0  # bytes uploaded into slots (side stream)
+    upload_seconds: float = 0.0  # side-stream time of those uploads (hidden)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def vector(self) -> list[float]:
+        return [float(getattr(self, n)) for n in self.names()]
+
+    def add(self, values) -> None:
+        for name, value in zip(self.names(), values):
+            setattr(self, name, getattr(self, name) + value)
+
+    @property
+    def hit_rate(self) -> float:
+        reads = self.hits + self.misses
+        return self.hits / reads if reads else 1.0
+
+    def summary(self, tokens: int) -> str:
+        """One line: hit rate, and PCIe bytes per generated token."""
+        per = max(tokens, 1) * 2**20
+        return (f"{100 * self.hit_rate:.1f}% of expert reads from VRAM; over PCIe per "
+                f"token {self.read_bytes / per:.1f} MiB read, {self.upload_bytes / per:.1f} "
+                f"MiB uploaded ({self.upload_seconds:.2f} s of uploads, hidden)")
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One projection of an expert within its row of B values: columns [start, end)."""
+    name: str
+    shape: tuple[int, int]
+    start: int
+    end: int
+    qtype: str | None
+
+
+class ExpertCache:
+    def __init__(self, layers: list[nn.Module], device: torch.device, num_slots: int,
+                 policy: str = "lru", pcie_frac: float = 1.0):
+        """`layers`: the stage's GroupedExperts, their weights loaded in host memory.
+        Takes them over: their projections become views of the host tensors, and each
+        gets `offload` (CachedExperts) through which it computes."""
+        self.device, self.cuda = device, device.type == "cuda"
+        self.pcie_frac = pcie_frac
+        first = layers[0]
+        self.parts, start = [], 0
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            w = getattr(first, name)
+            size = w[0].numel()
+            self.parts.append(_Part(name, tuple(w.shape[1:]), start, start + size,
+                                    getattr(w, "qtype", None)))
+            start += size
+        self.row_size, self.dtype = start, first.gate_proj.dtype
+        self.num_experts = first.gate_proj.shape[0]
+        for layer in layers:
+            for part in self.parts:
+                w = getattr(layer, part.name)
+                if (tuple(w.shape[1:]) != part.shape or w.dtype != self.dtype
+                        or getattr(w, "qtype", None) != part.qtype
+                        or w.shape[0] != self.num_experts):
+                    raise ValueError("the expert cache needs every MoE layer of a stage to "
+                                     "keep its experts in one shape and format")
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        self.expert_bytes = self.row_size * element
+        self.pool = torch.empty(max(1, num_slots), self.row_size, dtype=self.dtype,
+                                device=device)
+        self.hosts, deltas = [], []
+        for layer in layers:
+            host, delta = self._host_rows(layer, element)
+            self.hosts.append(host)
+            deltas.append(delta)
+        self.host_rows = np.array(deltas, dtype=np.int64)[:, None] + np.arange(self.num_experts)
+        self.rows_host = self.host_rows.copy()  # where each expert is read from, now
+        self.rows = torch.from_numpy(self.rows_host).to(device)
+        self.usage = torch.zeros(len(layers), self.num_experts, dtype=torch.int32, device=device)
+        self.policy = ExpertCachePolicy(len(layers), self.num_experts, num_slots, policy)
+        self.stats = ExpertStats()
+        self._reported = ExpertStats()
+        self._counts: deque = deque()   # (host counts, event, residency it ran with)
+        self._uploads: deque = deque()  # (keys, done event, start event)
+        self._resident_now = self.policy.resident.copy()
+        self._side = torch.cuda.Stream(device) if self.cuda else None
+        self._fill()
+        for index, layer in enumerate(layers):
+            layer.offload = CachedExperts(self, index)
+
+    # -- start-up ---------------------------------------------------------------------
+
+    def _host_rows(self, layer: nn.Module, element: int) -> tuple[torch.Tensor, int]:
+        """The layer's experts as one host tensor [E, B] (pinned on CUDA), placed a whole
+        number of rows away from the pool, and that number; the layer's projections become
+        views of it."""
+        raw = torch.empty((self.num_experts + 1) * self.row_size, dtype=self.dtype,
+                          pin_memory=self.cuda)
+        gap = (self.pool.data_ptr() - raw.data_ptr()) // element
+        offset = gap % self.row_size
+        host = raw[offset:offset + self.num_experts * self.row_size].view(
+            self.num_experts, self.row_size)
+        distance = host.data_ptr() - self.pool.data_ptr()
+        assert distance % self.expert_bytes == 0
+        for part in self.parts:
+            w = getattr(layer, part.name)
+            view = host[:, part.start:part.end].view(self.num_experts, *part.shape)
+            view.copy_(w.data)
+            param = nn.Parameter(view, requires_grad=False)
+            param.spec = getattr(w, "spec", None)
+            if part.qtype is not None:
+                param.qtype = part.qtype
+            setattr(layer, part.name, param)
+        return host, distance // self.expert_bytes
+
+    def _fill(self) -> None:
+        """Every slot given an expert before the first window, each layer an equal share."""
+        admissions = self.policy.fill()
+        for a in admissions:
+            layer, expert = divmod(a.key, self.num_experts)
+            self.pool[a.slot].copy_(self.hosts[layer][expert])
+        self.policy.uploaded([a.key for a in admissions])
+        self._point([a.key for a in admissions])
+        self._push_rows()
+        log.info("expert cache on %s: %d of %d experts resident (%.0f%%), %.2f GiB of VRAM, "
+                 "%.2f GiB of host RAM", self.device, len(admissions), self.total_experts,
+                 100 * len(admissions) / self.total_experts,
+                 self.pool.numel() * self.pool.element_size() / 2**30,
+                 self.total_experts * self.expert_bytes / 2**30)
+
+    @property
+    def total_experts(self) -> int:
+        return len(self.hosts) * self.num_experts
+
+    # -- per window -------------------------------------------------------------------
+
+    def before_window(self) -> None:
+        """Observe finished windows, admit their misses, point finished uploads at their
+        slots, and send the rows table; then start the new uploads (see the module)."""
+        admissions = []
+        while self._counts and self._done(self._counts[0][1]):
+            admissions += self._observe(*self._counts.popleft())
+        changed = bool(admissions)
+        for a in admissions:
+            if a.victim >= 0:
+                self._point_home(a.victim)
+        while self._uploads and self._done(self._uploads[0][1]):
+            keys, done, start = self._uploads.popleft()
+            if start is not None:
+                self.stats.upload_seconds += start.elapsed_time(done) / 1e3
+            self.policy.uploaded(keys)
+            self._point([k for k in keys if self.policy.slot.reshape(-1)[k] >= 0])
+            changed = True
+        if changed:
+            self._push_rows()
+        if admissions:
+            self._upload(admissions)
+        self._resident_now = self.policy.resident.copy()
+
+    def after_window(self) -> None:
+        """The window's counts on their way to the host (read by a later before_window)."""
+        if len(self._counts) >= USAGE_RING:  # NOTE: waits for the oldest window's copy
+            self._wait(self._counts[0][1])
+            before = len(self._counts)
+            self.before_window()
+            assert len(self._counts) < before
+        counts = torch.empty(self.usage.shape, dtype=torch.int32, pin_memory=self.cuda)
+        counts.copy_(self.usage, non_blocking=True)
+        self.usage.zero_()
+        event = torch.cuda.Event() if self.cuda else None
+        if event is not None:
+            event.record()
+        self._counts.append((counts, event, self._resident_now))
+
+    def reset_usage(self) -> None:
+        """Forget counts of windows that were not real (graph capture)."""
+        self.usage.zero_()
+
+    def take_stats(self) -> list[float]:
+        """What the cache did since the last call (ExpertStats' fields, in order)."""
+        now = self.stats.vector()
+        delta = [a - b for a, b in zip(now, self._reported.vector())]
+        self._reported = ExpertStats(*now)
+        return delta
+
+    def _observe(self, counts: torch.Tensor, event, resident_then: np.ndarray) -> list:
+        used = counts.numpy()
+        reads = self.policy.observe(used, resident_then)
+        self.stats.hits += reads.hits
+        self.stats.misses += reads.misses
+        self.stats.read_bytes += reads.misses * self.expert_bytes
+        limit = int(self.pcie_frac * (reads.hits + reads.misses))
+        return self.policy.admit(reads.missed, limit)
+
+    def _upload(self, admissions) -> None:
+        """Copy the admitted experts into their slots: on the side stream after every
+        window launched so far (which may still read the victims' slots), or at once on
+        the CPU."""
+        self.stats.upload_bytes += len(admissions) * self.expert_bytes
+        if not self.cuda:
+            for a in admissions:
+                layer, expert = divmod(a.key, self.num_experts)
+                self.pool[a.slot].copy_(self.hosts[layer][expert])
+            self._uploads.append(([a.key for a in admissions], None, None))
+            return
+        freed = torch.cuda.Event()
+        freed.record()
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self._side):
+            self._side.wait_event(freed)
+            start.record()
+            for a in admissions:
+                layer, expert = divmod(a.key, self.num_experts)
+                self.pool[a.slot].copy_(self.hosts[layer][expert], non_blocking=True)
+            done.record()
+        self._uploads.append(([a.key for a in admissions], done, start))
+
+    def _point(self, keys) -> None:
+        flat = self.rows_host.reshape(-1)
+        for key in keys:
+            flat[key] = self.policy.slot.reshape(-1)[key]
+
+    def _point_home(self, key: int) -> None:
+        self.rows_host.reshape(-1)[key] = self.host_rows.reshape(-1)[key]
+
+    def _push_rows(self) -> None:
+        # NOTE: from pageable memory: the copy stages the table before returning, so the
+        # host may change it at once; no device sync.
+        self.rows.copy_(torch.from_numpy(self.rows_host.copy()), non_blocking=True)
+
+    @staticmethod
+    def _done(event) -> bool:
+        return event is None or event.query()
+
+    @staticmethod
+    def _wait(event) -> None:
+        if event is not None:
+            event.synchronize()
+
+    # -- the grouped path -------------------------------------------------------------
+
+    def weight(self, layer: int, part: int, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `expert`'s projection `part` (0 gate, 1 up, 2 down) of MoE layer
+        `layer`, dense [out, in] in `dtype` on the device: from its slot if it is
+        resident, else from host RAM."""
+        p = self.parts[part]
+        slot = int(self.rows_host[layer, expert])
+        resident = slot != int(self.host_rows[layer, expert])
+        source = self.pool[slot] if resident else self.hosts[layer][expert]
+        w = source[p.start:p.end].view(*p.shape)
+        if not resident:
+            w = w.to(self.device, non_blocking=True)
+        if p.qtype is None:
+            return w
+        from strata import quant
+        return quant.dequantize(w, p.qtype, dtype)
+
+    def projections(self) -> list:
+        """The pool's views as the fused kernels take them: a [slots, out, in] tensor per
+        projection, or (blocks, qtype) pairs."""
+        views = []
+        for p in self.parts:
+            view = self.pool[:, p.start:p.end].view(self.pool.shape[0], *p.shape)
+            views.append(view if p.qtype is None else (view, p.qtype))
+        return views
+
+
+class CachedExperts:
+    """One MoE layer's view of the stage's ExpertCache (GroupedExperts.offload)."""
+
+    def __init__(self, cache: ExpertCache, index: int):
+        self.cache, self.index = cache, index
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
+    def fused(self, x: torch.Tensor, experts: torch.Tensor,
+              weights: torch.Tensor) -> torch.Tensor:
+        from strata.layers import moe_triton
+        cache = self.cache
+        gate, up, down = cache.projections()
+        rows, usage = cache.rows[self.index], cache.usage[self.index]
+        if cache.parts[0].qtype is not None:
+            return moe_triton.fused_experts_quantized(x, experts, weights, gate, up, down,
+                                                      rows=rows, usage=usage)
+        return moe_triton.fused_experts(x, experts, weights, gate, up, down, rows=rows,
+                                        usage=usage)
+
+    def count(self, counts: torch.Tensor) -> None:
+        """The grouped path's pair counts per expert."""
+        self.cache.usage[self.index] += counts.to(torch.int32)
+
+    def getters(self, dtype: torch.dtype) -> list:
+        """For each projection, expert -> its dense weight (the grouped path's)."""
+        return [lambda e, p=p: self.cache.weight(self.index, p, e, dtype) for p in range(3)]

@@ -1,0 +1,156 @@
+"""The expert cache's bookkeeping, without tensors: which (layer, expert) pairs hold a
+VRAM slot, which of those are readable and which still wait for their upload, what each
+window read, and which slot an expert that missed takes.
+
+State is numpy arrays of shape [layers, experts] (the stage's MoE layers, counted from 0),
+so one window's bookkeeping is a few vectorised passes whatever the model's size. A slot
+is held by one expert; an expert whose slot is taken but whose bytes are not there yet is
+`uploading` (read from host RAM until the upload is done). Two eviction policies:
+
+    lru  the least recently used resident expert makes room; every miss is admitted.
+    lfu  frequency-weighted LRU: among the EVICTION_WINDOW least recently used, the one
+         of lowest decayed use count (each window multiplies the counts by DECAY and adds
+         the window's uses); a miss is admitted only if its count beats that victim's,
+         so a burst of one-off experts does not flush the hot ones.
+
+Experts that the last window used are never evicted for another miss of it (a window's
+union stays whole where it fits), nor are uploads in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+POLICIES = ("lru", "lfu")
+DECAY = 0.9           # lfu: a use count's weight per window that passes
+EVICTION_WINDOW = 32  # lfu: the least recently used candidates it weighs
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Expert `key` (flat index layer * experts + expert) takes `slot`; `victim` (a flat
+    key, or -1 for a free slot) gives it up."""
+    key: int
+    slot: int
+    victim: int
+
+
+@dataclass(frozen=True)
+class Reads:
+    """What one window read: distinct (layer, expert) pairs from VRAM and from host RAM."""
+    hits: int
+    misses: int
+    missed: np.ndarray  # flat keys read from host RAM, most used first
+
+
+class ExpertCachePolicy:
+    def __init__(self, num_layers: int, num_experts: int, num_slots: int,
+                 policy: str = "lru"):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown expert cache policy {policy!r}; choose one of "
+                             f"{', '.join(POLICIES)}")
+        if num_slots < 0:
+            raise ValueError(f"the expert cache needs a slot count >= 0, not {num_slots}")
+        self.num_layers, self.num_experts, self.num_slots = num_layers, num_experts, num_slots
+        self.policy = policy
+        shape = (num_layers, num_experts)
+        self.slot = np.full(shape, -1, dtype=np.int64)   # the slot an expert holds, or -1
+        self.ready = np.zeros(shape, dtype=bool)         # its bytes are in the slot
+        self.last_use = np.zeros(shape, dtype=np.int64)  # the window that last used it
+        self.count = np.zeros(shape, dtype=np.float64)   # lfu: decayed use count
+        self.owner = np.full(num_slots, -1, dtype=np.int64)  # flat key in each slot
+        self.clock = 0  # windows observed
+
+    @property
+    def resident(self) -> np.ndarray:
+        """[layers, experts] bool: readable from VRAM now."""
+        return self.ready
+
+    def fill(self) -> list[Admission]:
+        """Start-up: every free slot given out, expert by expert across the layers (expert
+        0 of each layer, then expert 1, ...), so each layer gets an equal share. The
+        caller copies them before the first window and calls `uploaded`."""
+        free = np.flatnonzero(self.owner < 0)
+        order = np.arange(self.num_layers * self.num_experts).reshape(
+            self.num_layers, self.num_experts).T.reshape(-1)  # expert-major
+        order = order[self.slot.reshape(-1)[order] < 0][:len(free)]
+        return [self._take(int(key), int(slot), -1) for key, slot in zip(order, free)]
+
+    def observe(self, used: np.ndarray, resident_then: np.ndarray) -> Reads:
+        """One window's uses (`used` [layers, experts]: pairs routed to each expert) at
+        the residency it ran with; updates recency and counts."""
+        self.clock += 1
+        hit = used > 0
+        self.last_use[hit] = self.clock
+        self.count *= DECAY
+        self.count += used
+        missed = hit & ~resident_then
+        keys = np.flatnonzero(missed)
+        keys = keys[np.argsort(-used.reshape(-1)[keys], kind="stable")]
+        return Reads(int((hit & resident_then).sum()), int(missed.sum()), keys)
+
+    def admit(self, missed: np.ndarray, limit: int | None = None) -> list[Admission]:
+        """Slots for the experts of `missed` (flat keys, in order of preference) that hold
+        none, at most `limit` of them: free slots first, then evictions."""
+        flat_slot = self.slot.reshape(-1)
+        wanted = [int(k) for k in missed if flat_slot[k] < 0]
+        if limit is not None:
+            wanted = wanted[:max(0, limit)]
+        if not wanted:
+            return []
+        admissions = []
+        free = list(np.flatnonzero(self.owner < 0))
+        victims = iter(self._victims(len(wanted) - min(len(free), len(wanted))))
+        for key in wanted:
+            if free:
+                admissions.append(self._take(key, int(free.pop(0)), -1))
+                continue
+            victim = next(victims, None)
+            if victim is None:
+                break
+            if self.policy == "lfu" and self.count.reshape(-1)[key] <= \
+                    self.count.reshape(-1)[victim]:
+                continue  # not used more than what it would evict
+            admissions.append(self._take(key, int(flat_slot[victim]), victim))
+        return admissions
+
+    def uploaded(self, keys) -> None:
+        """The uploads of `keys` are done: they read from VRAM from now on."""
+        for key in keys:
+            layer, expert = divmod(int(key), self.num_experts)
+            if self.slot[layer, expert] >= 0:
+                self.ready[layer, expert] = True
+
+    def _victims(self, n: int) -> list[int]:
+        """Up to n resident experts to evict, best first: ready, not used by the last
+        window. lru: least recently used; lfu: the lowest counts among the least recently
+        used EVICTION_WINDOW (or n, if more)."""
+        if n <= 0:
+            return []
+        ready = self.ready.reshape(-1) & (self.last_use.reshape(-1) < self.clock)
+        keys = np.flatnonzero(ready)
+        if not len(keys):
+            return []
+        recency = self.last_use.reshape(-1)[keys]
+        if self.policy == "lru":
+            pick = min(n, len(keys))
+            order = np.argpartition(recency, pick - 1)[:pick] if pick < len(keys) else \
+                np.arange(len(keys))
+            order = order[np.argsort(recency[order], kind="stable")]
+            return [int(k) for k in keys[order]]
+        pool = min(len(keys), max(n, EVICTION_WINDOW))
+        order = np.argsort(recency, kind="stable")[:pool]
+        candidates = keys[order]
+        counts = self.count.reshape(-1)[candidates]
+        return [int(k) for k in candidates[np.argsort(counts, kind="stable")][:n]]
+
+    def _take(self, key: int, slot: int, victim: int) -> Admission:
+        if victim >= 0:
+            self.slot.reshape(-1)[victim] = -1
+            self.ready.reshape(-1)[victim] = False
+        self.slot.reshape(-1)[key] = slot
+        self.ready.reshape(-1)[key] = False
+        self.owner[slot] = key
+        return Admission(key, slot, victim)

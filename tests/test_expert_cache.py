@@ -1,0 +1,264 @@
+"""Routed experts in host RAM behind a VRAM cache (--experts-in-ram, strata/experts):
+the policy's bookkeeping (admission, LRU and frequency-weighted eviction, a window's
+union kept whole, uploads in flight neither read nor evicted); the cache's protocol on a
+CPU stand-in for the device (bytes in their slots, rows pointing at slots or host rows,
+counts observed at the residency a window ran with); the fused kernels reading hits from
+the pool and misses from host rows (triton's interpreter) give the very same numbers as
+without a cache, dense and quantized; and whole models: greedy output with a cache of a
+quarter of the experts equals output with all of them on the device, with drafts, 1 and 4
+requests at once, in one process and in two stage processes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_moe_triton import grouped_experts, routing, window
+from test_moe_triton_quant import quantized_experts
+from test_spec_lossless import copy_heavy_prompts
+
+from strata.config import EngineConfig
+from strata.engine.engine import Engine
+from strata.errors import StrataError
+from strata.experts.cache import ExpertCache
+from strata.experts.policy import ExpertCachePolicy
+from strata.layers.moe import GroupedExperts
+from strata.sampling.params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def used(layers: int, experts: int, pairs: dict[tuple[int, int], int]) -> np.ndarray:
+    out = np.zeros((layers, experts), dtype=np.int64)
+    for (layer, expert), n in pairs.items():
+        out[layer, expert] = n
+    return out
+
+
+# -- the policy ---------------------------------------------------------------------------
+
+def test_fill_gives_each_layer_an_equal_share():
+    policy = ExpertCachePolicy(3, 8, 6)
+    admissions = policy.fill()
+    assert sorted(a.slot for a in admissions) == list(range(6))
+    policy.uploaded([a.key for a in admissions])
+    assert policy.resident.sum(axis=1).tolist() == [2, 2, 2]
+    assert policy.fill() == []  # no free slot left
+
+
+def test_observe_counts_hits_and_misses_at_the_residency_the_window_ran_with():
+    policy = ExpertCachePolicy(2, 4, 2)
+    policy.uploaded([a.key for a in policy.fill()])  # experts 0 of layers 0 and 1
+    then = policy.resident.copy()
+    reads = policy.observe(used(2, 4, {(0, 0): 3, (0, 2): 1, (1, 3): 5}), then)
+    assert (reads.hits, reads.misses) == (1, 2)
+    assert reads.missed.tolist() == [7, 2]  # most used first: (1, 3), then (0, 2)
+
+
+def test_lru_evicts_the_least_recently_used_never_the_last_windows_experts():
+    policy = ExpertCachePolicy(1, 6, 2)
+    policy.uploaded([a.key for a in policy.fill()])  # experts 0, 1
+    policy.observe(used(1, 6, {(0, 0): 1}), policy.resident.copy())
+    reads = policy.observe(used(1, 6, {(0, 1): 1, (0, 4): 1}), policy.resident.copy())
+    admissions = policy.admit(reads.missed)
+    assert [(a.key, a.victim) for a in admissions] == [(4, 0)]  # 1 was just used: kept
+    assert not policy.resident[0, 4] and policy.slot[0, 4] == admissions[0].slot
+    assert policy.slot[0, 0] == -1  # the victim holds nothing at once
+    # a window using more experts than there are slots keeps what it used resident
+    reads = policy.observe(used(1, 6, {(0, 1): 1, (0, 2): 1, (0, 3): 1}),
+                           policy.resident.copy())
+    assert policy.admit(reads.missed) == []  # 1 is used, 4 is uploading: no victim
+
+
+def test_uploads_in_flight_are_neither_read_nor_evicted_and_limit_caps_admissions():
+    policy = ExpertCachePolicy(1, 8, 3)
+    policy.uploaded([a.key for a in policy.fill()])  # 0, 1, 2
+    reads = policy.observe(used(1, 8, {(0, 5): 1, (0, 6): 1, (0, 7): 1}),
+                           policy.resident.copy())
+    admissions = policy.admit(reads.missed, limit=2)
+    assert len(admissions) == 2
+    keys = [a.key for a in admissions]
+    assert not policy.resident[0, keys].any()
+    reads = policy.observe(used(1, 8, {(0, 3): 1}), policy.resident.copy())
+    third = policy.admit(reads.missed)
+    assert [a.victim for a in third] not in ([k] for k in keys)
+    assert all(a.victim not in keys for a in third)
+    policy.uploaded(keys)
+    assert policy.resident[0, keys].all()
+    assert policy.admit(np.array([4]), limit=0) == []
+
+
+def test_lfu_keeps_hot_experts_against_a_burst_of_cold_ones():
+    for name, keeps_hot in (("lfu", True), ("lru", False)):
+        policy = ExpertCachePolicy(1, 16, 2, name)
+        policy.uploaded([a.key for a in policy.fill()])  # 0, 1: hot
+        for _ in range(10):
+            policy.observe(used(1, 16, {(0, 0): 4, (0, 1): 4}), policy.resident.copy())
+        for cold in range(2, 8):  # one-off experts, one a window
+            reads = policy.observe(used(1, 16, {(0, cold): 1}), policy.resident.copy())
+            policy.uploaded([a.key for a in policy.admit(reads.missed)])
+        assert bool(policy.resident[0, :2].all()) is keeps_hot, name
+
+
+def test_a_bad_policy_or_size_is_a_clear_error():
+    with pytest.raises(ValueError, match="lru, lfu"):
+        ExpertCachePolicy(1, 4, 1, "fifo")
+    with pytest.raises(StrataError, match="--expert-cache 120%"):
+        EngineConfig(expert_cache="120%")
+    with pytest.raises(StrataError, match="--expert-cache lots"):
+        EngineConfig(expert_cache="lots")
+    assert EngineConfig(expert_cache="25%").expert_cache_size() == ("share", 0.25)
+    assert EngineConfig(expert_cache="1.5GiB").expert_cache_size() == ("bytes", 1.5 * 2**30)
+    with pytest.raises(StrataError, match="--pcie-frac"):
+        EngineConfig(pcie_frac=-1)
+
+
+# -- the cache on a CPU stand-in for the device -------------------------------------------
+
+def dense_layers(n: int, experts: int = 8, hidden: int = 32, inter: int = 16):
+    return [grouped_experts(experts, hidden, inter, seed=i) for i in range(n)]
+
+
+def quantized_layers(n: int, experts: int = 8, hidden: int = 64, inter: int = 32):
+    layers = []
+    for i in range(n):
+        module = GroupedExperts(hidden, inter, experts, quantized=True)
+        for name, (blocks, qtype) in zip(("gate_proj", "up_proj", "down_proj"),
+                                          quantized_experts(("Q8_0", "Q4_0", "Q8_0"), experts,
+                                                            hidden, inter, seed=3 * i)):
+            param = torch.nn.Parameter(blocks, requires_grad=False)
+            param.qtype = qtype
+            setattr(module, name, param)
+        layers.append(module)
+    return layers
+
+
+def originals(layers) -> list[list[torch.Tensor]]:
+    return [[getattr(m, n).detach().clone() for n in ("gate_proj", "up_proj", "down_proj")]
+            for m in layers]
+
+
+def test_cache_bytes_rows_and_protocol():
+    layers = dense_layers(3)
+    before = originals(layers)
+    cache = ExpertCache(layers, torch.device("cpu"), 6)
+    for m, weights in zip(layers, before):  # the projections now view host rows
+        assert m.offload is not None
+        for name, w in zip(("gate_proj", "up_proj", "down_proj"), weights):
+            assert torch.equal(getattr(m, name), w)
+
+    def check_bytes():
+        for layer, weights in enumerate(before):
+            for expert in range(8):
+                for part, w in enumerate(weights):
+                    assert torch.equal(cache.weight(layer, part, expert, torch.float32),
+                                       w[expert])
+        resident = cache.policy.resident
+        for layer in range(3):
+            for expert in range(8):
+                row = cache.rows_host[layer, expert]
+                if resident[layer, expert]:
+                    slot = cache.policy.slot[layer, expert]
+                    assert row == slot and torch.equal(cache.pool[slot][:16 * 32],
+                                                       before[layer][0][expert].reshape(-1))
+                else:
+                    assert row == cache.host_rows[layer, expert]
+        assert torch.equal(cache.rows, torch.from_numpy(cache.rows_host))
+
+    check_bytes()
+    assert cache.policy.resident.sum() == 6
+    # windows routing layer 0 to experts 5, 6 and 7 over and over: admitted, then hits
+    for _ in range(4):
+        cache.before_window()
+        x = window(2, 32)
+        experts = torch.tensor([[5, 6], [7, 5]])
+        weights = torch.full((2, 2), 0.5)
+        layers[0](x, experts, weights)
+        cache.after_window()
+        check_bytes()
+    cache.before_window()
+    assert cache.policy.resident[0, 5:].all()
+    # window 1 misses; its misses are admitted when window 2 starts and read from their
+    # slots once their upload is seen done, when window 3 starts
+    stats = cache.stats
+    assert stats.misses == 6 and stats.hits == 6
+    assert stats.read_bytes == 6 * cache.expert_bytes
+    assert stats.upload_bytes == 3 * cache.expert_bytes
+    assert cache.take_stats()[:2] == [6, 6] and cache.take_stats()[:2] == [0, 0]
+
+
+@pytest.mark.parametrize("kind", ["dense", "quantized"])
+@pytest.mark.parametrize("path", ["grouped", "fused"])
+def test_cached_experts_compute_exactly_what_resident_ones_do(kind, path):
+    """Hits from the pool, misses from host rows (by address, in the fused kernels): the
+    same numbers, bit for bit, as the same path without a cache."""
+    if path == "fused":
+        pytest.importorskip("triton")
+    make, hidden = (dense_layers, 32) if kind == "dense" else (quantized_layers, 64)
+    plain, cached = make(2), make(2)
+    cache = ExpertCache(cached, torch.device("cpu"), 5)
+    assert 0 < cache.policy.resident.sum() < 16
+    for m in (*plain, *cached):
+        m.path = path
+    for tokens, top_k in ((1, 3), (4, 2), (9, 4)):
+        x = window(tokens, hidden, seed=tokens)
+        experts, weights = routing(tokens, top_k, 8, seed=tokens + top_k)
+        for a, b in zip(plain, cached):
+            assert torch.equal(a(x, experts, weights), b(x, experts, weights))
+    usage = cache.usage.sum(dim=1).tolist()
+    assert usage == [1 * 3 + 4 * 2 + 9 * 4] * 2  # every pair counted, both paths
+
+
+def test_pool_contents_matter():
+    """The check above can fail: a slot holding the wrong bytes changes the output."""
+    layers = dense_layers(1)
+    cache = ExpertCache(layers, torch.device("cpu"), 4)
+    x = window(3, 32)
+    experts = torch.tensor([[0, 1], [2, 3], [1, 0]])
+    weights = torch.full((3, 2), 0.5)
+    good = layers[0](x, experts, weights)
+    cache.pool[0].mul_(2)
+    assert not torch.equal(layers[0](x, experts, weights), good)
+
+
+# -- whole models ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_expected(tiny_models):
+    folder, model = tiny_models["qwen3_moe"]
+    prompts = copy_heavy_prompts(4, model.config.vocab_size)
+    engine = Engine(EngineConfig(model=str(folder), parallel=4, spec=0, max_context=256))
+    return folder, prompts, engine.generate(prompts, GREEDY)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_greedy_output_with_a_quarter_of_the_experts_cached_equals_all_resident(
+        moe_expected, policy):
+    folder, prompts, expected = moe_expected
+    for parallel, batch in ((1, prompts[:1]), (4, prompts)):
+        engine = Engine(EngineConfig(model=str(folder), parallel=parallel, spec=6,
+                                     max_context=256, experts_in_ram="on",
+                                     expert_cache="25%", expert_cache_policy=policy))
+        assert engine.generate(batch, GREEDY) == expected[:len(batch)]
+        assert engine.draft_stats.accepted > 0
+        stats = engine.expert_stats[0]
+        assert stats.hits > 0 and stats.misses > 0, stats
+        cache = engine.runner.stages[0].experts
+        assert (cache.policy.slot >= 0).sum() == round(0.25 * cache.total_experts)
+        if policy == "lru" and parallel == 1:
+            assert stats.upload_bytes > 0  # the cache changed as it went
+
+
+def test_greedy_output_in_two_stage_processes_with_experts_in_ram(moe_expected):
+    folder, prompts, expected = moe_expected
+    engine = Engine(EngineConfig(model=str(folder), parallel=4, spec=6, max_context=256,
+                                 devices=("cpu", "cpu"), layer_split=(2,),
+                                 experts_in_ram="on", expert_cache="25%"))
+    try:
+        assert engine.generate(prompts, GREEDY) == expected
+        assert engine.generate(prompts[:1], GREEDY) == expected[:1]
+        stats = engine.expert_stats
+        assert all(s.hits + s.misses > 0 for s in stats), stats  # both stages report
+        assert all(s.misses > 0 for s in stats)
+    finally:
+        engine.close()
