@@ -16,6 +16,10 @@ layers, whose state rolls back under drafts) checkpoints with transformers, then
   (4 prompts x 256 tokens);
 - the fused MoE path against the grouped one (one layer of 8 experts top-2 and of 512
   experts top-10, 1 to 32 tokens, bf16);
+- experts in host RAM behind a VRAM cache (--experts-in-ram, 25% cached): the fused
+  kernels (misses read from pinned host memory) bitwise against all experts on the
+  device, bf16 and Q4_K, and greedy tokens of the tiny qwen3_moe (`--experts-only`: this
+  check alone);
 - prefix reuse on the device (fp32, CUDA graphs, drafts): an agent's second turn with the
   prefix cache off, on, and on with its blocks evicted to host RAM and copied back by
   the conversation cache (llama; qwen3_next, whose recurrent state comes from a state
@@ -49,8 +53,15 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", default="cuda:0")
     parser.add_argument("--gguf", default=None, help="also check the fast path on this model")
+    parser.add_argument("--experts-only", action="store_true",
+                        help="only the expert cache's checks (--experts-in-ram)")
     args = parser.parse_args()
     devices = tuple(args.devices.split(","))
+    if args.experts_only:
+        print(f"machine: {machine()}\ncommit: {commit()}\ndevices: {args.devices}\n")
+        print(markdown_table(["experts in host RAM, 25% cached", "vs all on the device"],
+                             expert_cache(devices)))
+        return 0
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,7 +113,82 @@ def main() -> int:
     print(markdown_table(["model", "turn 2 greedy tokens = no reuse (fp32, graphs): cache on",
                           "evicted, from host RAM", "tokens not computed: on / host RAM"],
                          reuse))
+    print()
+    print(markdown_table(["experts in host RAM, 25% cached", "vs all on the device"],
+                         expert_cache(devices)))
     return 0
+
+
+def expert_cache(devices: tuple[str, ...]) -> list[list[str]]:
+    """--experts-in-ram on the device: the fused kernels reading misses from pinned host
+    memory (Qwen3-30B-A3B's expert shape, 16 experts, top-8, bf16 and Q4_K) against the
+    same experts all on the device, and greedy tokens of the tiny qwen3_moe (bf16, CUDA
+    graphs, drafts) with a quarter of its experts cached against all on the device."""
+    from test_moe_triton import grouped_experts, routing, window
+    from test_moe_triton_quant import quantized_experts
+
+    from strata.experts.cache import ExpertCache
+    from strata.layers.moe import GroupedExperts
+
+    device = torch.device(devices[0])
+    rows = []
+
+    def quantized(seed: int) -> GroupedExperts:
+        module = GroupedExperts(2048, 768, 16, quantized=True)
+        for name, (blocks, qtype) in zip(("gate_proj", "up_proj", "down_proj"),
+                                          quantized_experts(("Q4_K", "Q4_K", "Q6_K"), 16,
+                                                            2048, 768, seed=seed)):
+            param = torch.nn.Parameter(blocks, requires_grad=False)
+            param.qtype = qtype
+            setattr(module, name, param)
+        return module
+
+    for kind, make in (("bf16", lambda: grouped_experts(16, 2048, 768, torch.bfloat16)),
+                       ("Q4_K/Q4_K/Q6_K", lambda: quantized(0))):
+        plain, cached = make(), make()
+        plain.path = cached.path = "auto"  # fused up to 32 tokens, grouped above
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            w = getattr(plain, name)
+            moved = torch.nn.Parameter(w.data.to(device), requires_grad=False)
+            if hasattr(w, "qtype"):
+                moved.qtype = w.qtype
+            setattr(plain, name, moved)
+        cache = ExpertCache([cached], device, 4)
+        equal, total = 0, 0
+        with torch.inference_mode():
+            for w in (1, 4, 32):
+                x = window(w, 2048, torch.bfloat16, seed=w).to(device)
+                experts, weights = routing(w, 8, 16, torch.bfloat16, seed=w)
+                experts, weights = experts.to(device), weights.to(device)
+                equal += torch.equal(plain(x, experts, weights), cached(x, experts, weights))
+                total += 1
+            x = window(64, 2048, torch.bfloat16, seed=64).to(device)
+            experts, weights = routing(64, 8, 16, torch.bfloat16, seed=64)
+            grouped_err = rel(cached(x, experts.to(device), weights.to(device)),
+                              plain(x, experts.to(device), weights.to(device)))
+        rows.append([f"fused kernels, {kind}, w = 1, 4, 32 (bitwise)", f"{equal}/{total}"])
+        rows.append([f"grouped path, {kind}, w = 64 (max rel. error)", f"{grouped_err:.1e}"])
+        del cache
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny("qwen3_moe", Path(tmp))
+        batch = prompts(4, model.config.vocab_size, seed=5, low=8, high=60)
+        batch = [p + p[:20] for p in batch]  # some drafts are right
+        runs = {}
+        for label, extra in (("device", {}), ("ram", dict(experts_in_ram="on",
+                                                           expert_cache="25%"))):
+            engine = Engine(EngineConfig(model=tmp, devices=devices, dtype="bf16",
+                                         max_context=256, parallel=4, spec=6,
+                                         cuda_graphs="on", **extra))
+            runs[label] = (engine.generate(batch, greedy), engine.generate(batch[:1], greedy),
+                           engine.expert_stats[0])
+        same = sum(a == b for s, t in zip(runs["device"][0], runs["ram"][0]) for a, b in zip(s, t))
+        solo = sum(a == b for a, b in zip(runs["device"][1][0], runs["ram"][1][0]))
+        stats = runs["ram"][2]
+        rows.append(["tiny qwen3_moe greedy tokens (bf16, CUDA graphs, drafts), 4 requests / 1",
+                     f"{same}/{4 * 64} / {solo}/64 (hit rate {100 * stats.hit_rate:.0f}%, "
+                     f"{stats.misses:.0f} misses read from host RAM)"])
+    return rows
 
 
 def reuse_path(model: str, devices: tuple[str, ...]) -> list[str]:

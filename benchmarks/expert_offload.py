@@ -202,7 +202,8 @@ def pcie_bandwidth(device: torch.device) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--caches", default="100,75,50,25",
-                        help="cache sizes, %% of the experts (comma-separated)")
+                        help="cache arms, comma-separated: %% of the experts, optionally "
+                        "with a policy and a --pcie-frac (25:lfu, 25:lru:0.25)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the row with every expert on the device")
     parser.add_argument("--users", default="1,4")
@@ -223,12 +224,18 @@ def main() -> int:
         print(fit(routing))
         return 0
     routing.install(max(base.max_window_tokens, base.cuda_graph_max_tokens))
-    arms = ([] if args.no_baseline else [("on device", {"experts_in_ram": "off"})]) + [
-        (f"{c}%", {"experts_in_ram": "on", "expert_cache": f"{c}%"})
-        for c in args.caches.split(",")]
+    arms = [] if args.no_baseline else [("on device", {"experts_in_ram": "off"})]
+    for arm in args.caches.split(","):
+        share, *rest = arm.split(":")
+        overrides = {"experts_in_ram": "on", "expert_cache": f"{share}%"}
+        if rest:
+            overrides["expert_cache_policy"] = rest[0]
+        if len(rest) > 1:
+            overrides["pcie_frac"] = float(rest[1])
+        arms.append((f"{share}%" + "".join(f" {r}" for r in rest), overrides))
     device = torch.device(base.devices[0])
     bandwidth = pcie_bandwidth(device) if device.type == "cuda" else float("nan")
-    rows, raw, reference = [], [], {}
+    rows, raw, reference, repeats = [], [], {}, []
     for label, overrides in arms:
         try:
             config = dataclasses.replace(base, **overrides)
@@ -261,6 +268,8 @@ def main() -> int:
                 key = (name, n)
                 if label == "on device":
                     reference[key] = (per_token, outputs)
+                    again = decode(engine, routing, n, args.tokens, seed=n)[3]
+                    repeats.append(f"{name}/{n}: {'yes' if again == outputs else 'NO'}")
                 exposed = ((per_token - reference[key][0]) * 1e3 if key in reference
                            else None)
                 same = ("-" if key not in reference or label == "on device" else
@@ -289,6 +298,8 @@ def main() -> int:
     print(f"machine: {machine()}\ncommit: {commit()}\nmodel: {model}\nsettings: {settings}")
     print(f"pinned host-to-device copy: {bandwidth:.1f} GB/s; trace: keep {args.keep}, "
           f"reuse {args.reuse} of the last {args.recent} tokens ({fit(routing)})\n")
+    if repeats:
+        print("on device, the same tokens when run again: " + ", ".join(repeats) + "\n")
     print(markdown_table(
         ["experts in VRAM", "routing", "streams", "tok/s per stream", "tok/s total",
          "hit rate", "MiB/token read over PCIe", "MiB/token uploaded", "upload s (hidden)",

@@ -149,10 +149,9 @@ def test_cache_bytes_rows_and_protocol():
 
     def check_bytes():
         for layer, weights in enumerate(before):
-            for expert in range(8):
-                for part, w in enumerate(weights):
-                    assert torch.equal(cache.weight(layer, part, expert, torch.float32),
-                                       w[expert])
+            gathered = cache.gather(layer, list(range(8)))
+            for part, w in enumerate(weights):
+                assert torch.equal(gathered[part], w)
         resident = cache.policy.resident
         for layer in range(3):
             for expert in range(8):

@@ -288,21 +288,28 @@ class ExpertCache:
 
     # -- the grouped path -------------------------------------------------------------
 
-    def weight(self, layer: int, part: int, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        """Expert `expert`'s projection `part` (0 gate, 1 up, 2 down) of MoE layer
-        `layer`, dense [out, in] in `dtype` on the device: from its slot if it is
-        resident, else from host RAM."""
-        p = self.parts[part]
-        slot = int(self.rows_host[layer, expert])
-        resident = slot != int(self.host_rows[layer, expert])
-        source = self.pool[slot] if resident else self.hosts[layer][expert]
-        w = source[p.start:p.end].view(*p.shape)
-        if not resident:
-            w = w.to(self.device, non_blocking=True)
-        if p.qtype is None:
-            return w
-        from strata import quant
-        return quant.dequantize(w, p.qtype, dtype)
+    def gather(self, layer: int, experts: list[int]) -> list[torch.Tensor]:
+        """MoE layer `layer`'s experts `experts` as stacked weights on the device, one
+        [E, out, in] tensor per projection (the others' rows left unset): resident ones
+        gathered from their slots, the rest copied from host RAM."""
+        rows = self.rows_host[layer]
+        resident = [e for e in experts if rows[e] != self.host_rows[layer, e]]
+        missed = [e for e in experts if rows[e] == self.host_rows[layer, e]]
+        into = torch.tensor(resident, dtype=torch.long, device=self.device)
+        slots = torch.tensor(rows[resident], dtype=torch.long, device=self.device)
+        views = []
+        for p in self.parts:
+            stacked = torch.empty(self.num_experts, *p.shape, dtype=self.dtype,
+                                  device=self.device)
+            if resident:
+                stacked[into] = self.pool[slots, p.start:p.end].view(len(resident), *p.shape)
+            for e in missed:
+                stacked[e].copy_(self.hosts[layer][e, p.start:p.end].view(*p.shape),
+                                 non_blocking=True)
+            if p.qtype is not None:
+                stacked.qtype = p.qtype  # NOTE: read by grouped_mm
+            views.append(stacked)
+        return views
 
     def projections(self) -> list:
         """The pool's views as the fused kernels take them: a [slots, out, in] tensor per
@@ -336,10 +343,10 @@ class CachedExperts:
         return moe_triton.fused_experts(x, experts, weights, gate, up, down, rows=rows,
                                         usage=usage)
 
-    def count(self, counts: torch.Tensor) -> None:
-        """The grouped path's pair counts per expert."""
+    def gathered(self, counts: torch.Tensor) -> list[torch.Tensor]:
+        """The grouped path's weights: per projection a device tensor [E, out, in] (with
+        its `qtype` if quantized) holding the experts that `counts` (pairs per expert)
+        routes to, as the layer's own stacked weights would: the same products follow.
+        Counts the pairs."""
         self.cache.usage[self.index] += counts.to(torch.int32)
-
-    def getters(self, dtype: torch.dtype) -> list:
-        """For each projection, expert -> its dense weight (the grouped path's)."""
-        return [lambda e, p=p: self.cache.weight(self.index, p, e, dtype) for p in range(3)]
+        return self.cache.gather(self.index, counts.nonzero().flatten().tolist())

@@ -205,16 +205,12 @@ class GroupedExperts(nn.Module):
         order = torch.argsort(flat, stable=True)
         rows = x[order // top_k]                               # [T*k, hidden], grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
-        if self.offload is not None:  # each routed expert from its slot or host RAM
-            self.offload.count(counts)
-            gate_of, up_of, down_of = self.offload.getters(x.dtype)
-            gate = looped_mm(rows, counts, gate_of)
-            up = looped_mm(rows, counts, up_of)
-            out = looped_mm(F.silu(gate) * up, counts, down_of)
-        else:
-            gate = grouped_mm(rows, self.gate_proj, counts)
-            up = grouped_mm(rows, self.up_proj, counts)
-            out = grouped_mm(F.silu(gate) * up, self.down_proj, counts)  # [T*k, hidden]
+        gate_w, up_w, down_w = (self.gate_proj, self.up_proj, self.down_proj)
+        if self.offload is not None:  # the routed experts gathered from slots and host RAM
+            gate_w, up_w, down_w = self.offload.gathered(counts)
+        gate = grouped_mm(rows, gate_w, counts)
+        up = grouped_mm(rows, up_w, counts)
+        out = grouped_mm(F.silu(gate) * up, down_w, counts)  # [T*k, hidden]
         out = out * weights.reshape(-1)[order, None]
         result = torch.zeros_like(x)
         return result.index_add_(0, order // top_k, out)
