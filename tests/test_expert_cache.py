@@ -88,6 +88,20 @@ def test_uploads_in_flight_are_neither_read_nor_evicted_and_limit_caps_admission
     assert policy.admit(np.array([4]), limit=0) == []
 
 
+def test_reserve_evicts_ahead_and_draining_slots_wait_until_drained():
+    policy = ExpertCachePolicy(1, 8, 3)
+    policy.uploaded([a.key for a in policy.fill()])  # 0, 1, 2
+    policy.observe(used(1, 8, {(0, 0): 1}), policy.resident.copy())
+    draining = policy.reserve(2)
+    assert sorted(policy.owner[draining].tolist()) == [-2, -2]
+    assert policy.resident[0].tolist()[:3] == [True, False, False]  # 0 was just used
+    assert policy.reserve(2) == []  # two are on their way already
+    assert policy.admit(np.array([5])) == []  # draining slots are not given out
+    policy.drained(draining)
+    (admission,) = policy.admit(np.array([5]))
+    assert admission.victim == -1 and admission.slot in draining
+
+
 def test_lfu_keeps_hot_experts_against_a_burst_of_cold_ones():
     for name, keeps_hot in (("lfu", True), ("lru", False)):
         policy = ExpertCachePolicy(1, 16, 2, name)
@@ -186,6 +200,32 @@ def test_cache_bytes_rows_and_protocol():
     assert cache.take_stats()[:2] == [6, 6] and cache.take_stats()[:2] == [0, 0]
 
 
+def test_a_miss_hits_from_the_next_window_when_a_slot_is_free():
+    """Misses into free slots are read from VRAM by the very next window; into a
+    victim's slot, from the one after. The reserve evicts ahead to keep slots free."""
+    layers = dense_layers(2, experts=16)
+    cache = ExpertCache(layers, torch.device("cpu"), 16)  # experts 0..7 of each layer
+    x = window(2, 32)
+    weights = torch.full((2, 2), 0.5)
+
+    def step(experts) -> float:
+        cache.before_window()
+        layers[0](x, torch.tensor(experts), weights)
+        cache.after_window()
+        return cache.stats.misses
+
+    step([[0, 1], [2, 3]])
+    step([[8, 9], [0, 1]])    # 8, 9 miss
+    step([[8, 9], [0, 1]])    # admitted into victims' slots; 2 more evicted ahead
+    step([[10, 11], [0, 1]])  # 8, 9 in their slots; 10, 11 miss
+    assert cache.policy.resident[0, [8, 9]].all()
+    assert (cache.policy.owner == -1).sum() == 2  # the reserve, drained
+    misses = step([[10, 11], [0, 1]])  # 10, 11 took the free slots: they hit
+    cache.before_window()
+    assert cache.stats.misses == misses
+    assert cache.policy.resident[0, [10, 11]].all()
+
+
 @pytest.mark.parametrize("kind", ["dense", "quantized"])
 @pytest.mark.parametrize("path", ["grouped", "fused"])
 def test_cached_experts_compute_exactly_what_resident_ones_do(kind, path):
@@ -206,6 +246,44 @@ def test_cached_experts_compute_exactly_what_resident_ones_do(kind, path):
             assert torch.equal(a(x, experts, weights), b(x, experts, weights))
     usage = cache.usage.sum(dim=1).tolist()
     assert usage == [1 * 3 + 4 * 2 + 9 * 4] * 2  # every pair counted, both paths
+
+
+@pytest.mark.parametrize("host_first", [True, False], ids=["host-before-pool", "after"])
+def test_the_kernels_read_host_rows_on_either_side_of_the_pool(host_first):
+    """Rows relative to the pool, negative where host memory lies before it: every
+    format's fused kernels (the decode row kernels too) read the same bytes."""
+    pytest.importorskip("triton")
+    from strata.layers.moe_triton import fused_experts, fused_experts_quantized
+    for layer in (dense_layers(1)[0], quantized_layers(1)[0]):
+        weights = [getattr(layer, n).detach() for n in ("gate_proj", "up_proj", "down_proj")]
+        flat = [w.reshape(8, -1) for w in weights]
+        row = sum(f.shape[1] for f in flat)
+        buffer = torch.zeros(20 * row, dtype=flat[0].dtype)
+        host, pool = (buffer[:8 * row], buffer[12 * row:]) if host_first else \
+            (buffer[12 * row:], buffer[:8 * row])
+        host.view(8, row).copy_(torch.cat(flat, dim=1))
+        offset = (host.data_ptr() - pool.data_ptr()) // (row * buffer.element_size())
+        assert (offset < 0) == host_first
+        pool.view(8, row)[1] = host.view(8, row)[5]  # expert 5 resident in slot 1
+        rows = torch.arange(8) + offset
+        rows[5] = 1
+        views, start = [], 0
+        for w, f in zip(weights, flat):
+            views.append(pool.view(8, row)[:, start:start + f.shape[1]].view(w.shape))
+            start += f.shape[1]
+        hidden = weights[0].shape[2] if weights[0].dtype != torch.uint8 else 64
+        for tokens in (1, 4, 9):
+            x = window(tokens, hidden, seed=tokens)
+            experts, routed = routing(tokens, 3, 8, seed=tokens)
+            if weights[0].dtype == torch.uint8:
+                qtypes = [w.qtype for w in (layer.gate_proj, layer.up_proj, layer.down_proj)]
+                ours = fused_experts_quantized(x, experts, routed, *zip(views, qtypes),
+                                               rows=rows)
+                ref = fused_experts_quantized(x, experts, routed, *zip(weights, qtypes))
+            else:
+                ours = fused_experts(x, experts, routed, *views, rows=rows)
+                ref = fused_experts(x, experts, routed, *weights)
+            assert torch.equal(ours, ref), (tokens, weights[0].dtype)
 
 
 def test_pool_contents_matter():

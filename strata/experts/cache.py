@@ -16,15 +16,23 @@ Per window (Stage.move_blocks calls before_window, Stage.forward after_window):
   after_window   the window's pair counts per expert (added up on the device by the
                  layers) are copied to host memory behind an event, and zeroed.
   before_window  counts whose copy is done are observed at the residency that window ran
-                 with (hits, misses); misses are admitted (policy.py), at most --pcie-frac
-                 of the window's expert reads: a victim's row points back at host memory
-                 at once; uploads whose copies are done point their experts' rows at their
-                 slots; the rows table goes to the device in one copy, then an event; new
-                 uploads run on a side stream after that event (so no window still reading
-                 a victim's slot is disturbed), and their own event tells a later
-                 before_window that they are done.
+                 with (hits, misses), and the misses admitted (policy.py), at most
+                 --pcie-frac of the window's expert reads:
+                 - into a free slot (no window reads it): copied at once on a side stream,
+                   and this window's compute waits for the copy on the GPU (no host sync;
+                   it overlaps the window still computing) and reads it;
+                 - into a victim's slot: the victim's row points home at once; the copy
+                   runs on the side stream after an event recorded behind every window
+                   launched so far (those may still read the victim), and the next
+                   before_window points the expert at its slot, the compute stream
+                   waiting for the copy.
+                 Experts are evicted ahead (policy.reserve: as many as the last window
+                 missed, at most an eighth of the slots), their slots free once the
+                 windows reading them are done, so that most misses take a free slot and
+                 hit from the window after the one that observed them. The rows table
+                 goes to the device once per call, in stream order.
 Windows larger than the fused path (prompt chunks) and CPU stages take the grouped path
-(layers/moe.py), each routed expert read from its slot or its host row.
+(layers/moe.py), the routed experts gathered from their slots and host rows.
 """
 
 from __future__ import annotations
@@ -129,8 +137,10 @@ class ExpertCache:
         self.policy = ExpertCachePolicy(len(layers), self.num_experts, num_slots, policy)
         self.stats = ExpertStats()
         self._reported = ExpertStats()
-        self._counts: deque = deque()   # (host counts, event, residency it ran with)
-        self._uploads: deque = deque()  # (keys, done event, start event)
+        self._counts: deque = deque()    # (host counts, event, residency it ran with)
+        self._uploads: list = []         # (keys, done event): copies into victims' slots
+        self._draining: deque = deque()  # (slots, event after the windows reading them)
+        self._timing: deque = deque()    # (start, done) events of uploads, for the stats
         self._resident_now = self.policy.resident.copy()
         self._side = torch.cuda.Stream(device) if self.cuda else None
         self._fill()
@@ -184,26 +194,39 @@ class ExpertCache:
     # -- per window -------------------------------------------------------------------
 
     def before_window(self) -> None:
-        """Observe finished windows, admit their misses, point finished uploads at their
-        slots, and send the rows table; then start the new uploads (see the module)."""
-        admissions = []
+        """Observe finished windows and admit their misses; commit uploads (see the
+        module); send the rows table once; start the uploads that wait for victims."""
+        admissions, wanted = [], 0
         while self._counts and self._done(self._counts[0][1]):
-            admissions += self._observe(*self._counts.popleft())
-        changed = bool(admissions)
-        for a in admissions:
-            if a.victim >= 0:
-                self._point_home(a.victim)
-        while self._uploads and self._done(self._uploads[0][1]):
-            keys, done, start = self._uploads.popleft()
-            if start is not None:
-                self.stats.upload_seconds += start.elapsed_time(done) / 1e3
+            found, missed = self._observe(*self._counts.popleft())
+            admissions += found
+            wanted = max(wanted, missed)
+        while self._draining and self._done(self._draining[0][1]):
+            self.policy.drained(self._draining.popleft()[0])
+        self._time_uploads()
+        commits = [keys for keys, done in self._uploads]
+        for _, done in self._uploads:  # uploads into drained victims' slots
+            self._gpu_wait(done)
+        self._uploads.clear()
+        free = [a for a in admissions if a.victim < 0]
+        later = [a for a in admissions if a.victim >= 0]
+        if free:  # into slots no window reads: now, the window waits for them on the GPU
+            done = self._copy(free, after=None)
+            self._gpu_wait(done)
+            commits.append([a.key for a in free])
+        # slots for the next window's misses, evicted ahead (free once no window reads them)
+        draining = self.policy.reserve(min(wanted, self.policy.num_slots // 8))
+        for keys in commits:
             self.policy.uploaded(keys)
             self._point([k for k in keys if self.policy.slot.reshape(-1)[k] >= 0])
-            changed = True
-        if changed:
-            self._push_rows()
-        if admissions:
-            self._upload(admissions)
+        self._point_evicted()  # the victims, of admissions and of the reserve
+        self._push_rows()
+        if later or draining:
+            freed = self._event()  # after every window launched so far
+            if later:
+                self._uploads.append(([a.key for a in later], self._copy(later, after=freed)))
+            if draining:
+                self._draining.append((draining, freed))
         self._resident_now = self.policy.resident.copy()
 
     def after_window(self) -> None:
@@ -232,45 +255,66 @@ class ExpertCache:
         self._reported = ExpertStats(*now)
         return delta
 
-    def _observe(self, counts: torch.Tensor, event, resident_then: np.ndarray) -> list:
+    def _observe(self, counts: torch.Tensor, event, resident_then: np.ndarray):
+        """(admissions for the window's misses, how many experts it missed)."""
         used = counts.numpy()
         reads = self.policy.observe(used, resident_then)
         self.stats.hits += reads.hits
         self.stats.misses += reads.misses
         self.stats.read_bytes += reads.misses * self.expert_bytes
         limit = int(self.pcie_frac * (reads.hits + reads.misses))
-        return self.policy.admit(reads.missed, limit)
+        return self.policy.admit(reads.missed, limit), reads.misses
 
-    def _upload(self, admissions) -> None:
-        """Copy the admitted experts into their slots: on the side stream after every
-        window launched so far (which may still read the victims' slots), or at once on
-        the CPU."""
+    def _copy(self, admissions, after):
+        """Copy the admitted experts from host RAM into their slots, on the side stream
+        once event `after` is done (None: at once), or at once on the CPU; the copies'
+        done event (None on the CPU)."""
         self.stats.upload_bytes += len(admissions) * self.expert_bytes
         if not self.cuda:
             for a in admissions:
                 layer, expert = divmod(a.key, self.num_experts)
                 self.pool[a.slot].copy_(self.hosts[layer][expert])
-            self._uploads.append(([a.key for a in admissions], None, None))
-            return
-        freed = torch.cuda.Event()
-        freed.record()
+            return None
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._side):
-            self._side.wait_event(freed)
+            if after is not None:
+                self._side.wait_event(after)
             start.record()
             for a in admissions:
                 layer, expert = divmod(a.key, self.num_experts)
                 self.pool[a.slot].copy_(self.hosts[layer][expert], non_blocking=True)
             done.record()
-        self._uploads.append(([a.key for a in admissions], done, start))
+        self._timing.append((start, done))
+        return done
+
+    def _event(self):
+        """An event after everything queued on the compute stream so far (None on CPU)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _gpu_wait(self, event) -> None:
+        """The compute stream waits for `event` (no host sync)."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def _time_uploads(self) -> None:
+        while self._timing and self._timing[0][1].query():
+            start, done = self._timing.popleft()
+            self.stats.upload_seconds += start.elapsed_time(done) / 1e3
+
+    def _point_evicted(self) -> None:
+        """Rows of experts that hold no slot any more point at host RAM."""
+        flat_rows, flat_slot = self.rows_host.reshape(-1), self.policy.slot.reshape(-1)
+        gone = (flat_rows != self.host_rows.reshape(-1)) & (flat_slot < 0)
+        flat_rows[gone] = self.host_rows.reshape(-1)[gone]
 
     def _point(self, keys) -> None:
         flat = self.rows_host.reshape(-1)
         for key in keys:
             flat[key] = self.policy.slot.reshape(-1)[key]
-
-    def _point_home(self, key: int) -> None:
-        self.rows_host.reshape(-1)[key] = self.host_rows.reshape(-1)[key]
 
     def _push_rows(self) -> None:
         # NOTE: from pageable memory: the copy stages the table before returning, so the

@@ -14,7 +14,10 @@ is held by one expert; an expert whose slot is taken but whose bytes are not the
          so a burst of one-off experts does not flush the hot ones.
 
 Experts that the last window used are never evicted for another miss of it (a window's
-union stays whole where it fits), nor are uploads in flight.
+union stays whole where it fits), nor are uploads in flight. A slot given up by its
+expert may still be read by windows in flight: it is `draining` (owner DRAINING) until
+the caller says those windows are done (`drained`), and only then free. `reserve` evicts
+ahead of need, so that the next window's misses find free slots at once.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 POLICIES = ("lru", "lfu")
+FREE, DRAINING = -1, -2  # `owner` of a slot that holds no expert
 DECAY = 0.9           # lfu: a use count's weight per window that passes
 EVICTION_WINDOW = 32  # lfu: the least recently used candidates it weighs
 
@@ -60,7 +64,7 @@ class ExpertCachePolicy:
         self.ready = np.zeros(shape, dtype=bool)         # its bytes are in the slot
         self.last_use = np.zeros(shape, dtype=np.int64)  # the window that last used it
         self.count = np.zeros(shape, dtype=np.float64)   # lfu: decayed use count
-        self.owner = np.full(num_slots, -1, dtype=np.int64)  # flat key in each slot
+        self.owner = np.full(num_slots, FREE, dtype=np.int64)  # flat key in each slot
         self.clock = 0  # windows observed
 
     @property
@@ -72,7 +76,7 @@ class ExpertCachePolicy:
         """Start-up: every free slot given out, expert by expert across the layers (expert
         0 of each layer, then expert 1, ...), so each layer gets an equal share. The
         caller copies them before the first window and calls `uploaded`."""
-        free = np.flatnonzero(self.owner < 0)
+        free = np.flatnonzero(self.owner == FREE)
         order = np.arange(self.num_layers * self.num_experts).reshape(
             self.num_layers, self.num_experts).T.reshape(-1)  # expert-major
         order = order[self.slot.reshape(-1)[order] < 0][:len(free)]
@@ -93,7 +97,8 @@ class ExpertCachePolicy:
 
     def admit(self, missed: np.ndarray, limit: int | None = None) -> list[Admission]:
         """Slots for the experts of `missed` (flat keys, in order of preference) that hold
-        none, at most `limit` of them: free slots first, then evictions."""
+        none, at most `limit` of them: free slots first, then evictions (whose slots the
+        caller fills once the windows reading the victims are done)."""
         flat_slot = self.slot.reshape(-1)
         wanted = [int(k) for k in missed if flat_slot[k] < 0]
         if limit is not None:
@@ -101,7 +106,7 @@ class ExpertCachePolicy:
         if not wanted:
             return []
         admissions = []
-        free = list(np.flatnonzero(self.owner < 0))
+        free = list(np.flatnonzero(self.owner == FREE))
         victims = iter(self._victims(len(wanted) - min(len(free), len(wanted))))
         for key in wanted:
             if free:
@@ -115,6 +120,28 @@ class ExpertCachePolicy:
                 continue  # not used more than what it would evict
             admissions.append(self._take(key, int(flat_slot[victim]), victim))
         return admissions
+
+    def reserve(self, n: int, floor: float | None = None) -> list[int]:
+        """Evict up to n experts (lfu: only those used less than `floor`) so that n slots
+        are free or draining; returns the slots now draining."""
+        short = n - int((self.owner == FREE).sum()) - int((self.owner == DRAINING).sum())
+        slots = []
+        for victim in self._victims(short):
+            if self.policy == "lfu" and floor is not None and \
+                    self.count.reshape(-1)[victim] >= floor:
+                continue
+            slot = int(self.slot.reshape(-1)[victim])
+            self.slot.reshape(-1)[victim] = -1
+            self.ready.reshape(-1)[victim] = False
+            self.owner[slot] = DRAINING
+            slots.append(slot)
+        return slots
+
+    def drained(self, slots) -> None:
+        """No window reads these draining slots any more: they are free."""
+        for slot in slots:
+            if self.owner[slot] == DRAINING:
+                self.owner[slot] = FREE
 
     def uploaded(self, keys) -> None:
         """The uploads of `keys` are done: they read from VRAM from now on."""

@@ -266,7 +266,8 @@ def _decode_block(blocks_ptr, base, FORMAT: tl.constexpr, G: tl.constexpr, C: tl
     (q_a, s_a, o_a, q_b, s_b, o_b), the quants q [ROWS, G, C] (fp32 integers) and the
     per-run scale and offset [ROWS, G]. Run a of group h holds the block's values
     _runs(h) + j, run b those `second` further (`_runs`); value = s * q + o. Each quant byte
-    is loaded once (a nibble byte feeds both runs)."""
+    is loaded once (a nibble byte feeds both runs). NOTE: `base` may be negative (an
+    expert cache's rows in host memory, before its pool): no mask may test its sign."""
     h = tl.arange(0, G)[None, :, None]
     j = tl.arange(0, C)[None, None, :]
     at = base[:, None, None]
@@ -274,7 +275,7 @@ def _decode_block(blocks_ptr, base, FORMAT: tl.constexpr, G: tl.constexpr, C: tl
     if FORMAT == "Q8_0":  # d f16, 32 x int8: values j | 16 + j
         q_a = tl.load(blocks_ptr + at + 2 + j).to(tl.int8, bitcast=True).to(tl.float32)
         q_b = tl.load(blocks_ptr + at + 18 + j).to(tl.int8, bitcast=True).to(tl.float32)
-        s_a = _f16(blocks_ptr + base, base >= 0)[:, None] + tl.zeros([1, G], tl.float32)
+        s_a = _f16(blocks_ptr + base, base == base)[:, None] + tl.zeros([1, G], tl.float32)
         s_b = s_a
         o_a = tl.zeros_like(s_a)
         o_b = o_a
@@ -283,12 +284,12 @@ def _decode_block(blocks_ptr, base, FORMAT: tl.constexpr, G: tl.constexpr, C: tl
         zero = 8 if FORMAT == "Q4_0" else 0
         q_a = ((byte & 15) - zero).to(tl.float32)
         q_b = ((byte >> 4) - zero).to(tl.float32)
-        s_a = _f16(blocks_ptr + base, base >= 0)[:, None] + tl.zeros([1, G], tl.float32)
+        s_a = _f16(blocks_ptr + base, base == base)[:, None] + tl.zeros([1, G], tl.float32)
         s_b = s_a
         if FORMAT == "Q4_0":
             o_a = tl.zeros_like(s_a)
         else:
-            o_a = _f16(blocks_ptr + base + 2, base >= 0)[:, None] + tl.zeros([1, G],
+            o_a = _f16(blocks_ptr + base + 2, base == base)[:, None] + tl.zeros([1, G],
                                                                              tl.float32)
         o_b = o_a
     elif FORMAT == "Q4_K" or FORMAT == "Q5_K":  # byte 32h + j: sub-blocks 2h | 2h + 1
@@ -302,8 +303,8 @@ def _decode_block(blocks_ptr, base, FORMAT: tl.constexpr, G: tl.constexpr, C: tl
             hi = hi | (((qh >> (2 * h + 1)) & 1) << 4)
         q_a = lo.to(tl.float32)
         q_b = hi.to(tl.float32)
-        d = _f16(blocks_ptr + base, base >= 0)[:, None]
-        dmin = _f16(blocks_ptr + base + 2, base >= 0)[:, None]
+        d = _f16(blocks_ptr + base, base == base)[:, None]
+        dmin = _f16(blocks_ptr + base + 2, base == base)[:, None]
         sc_a, mn_a = _k_scales(blocks_ptr + base[:, None] + 4, 2 * hs)
         sc_b, mn_b = _k_scales(blocks_ptr + base[:, None] + 4, 2 * hs + 1)
         s_a = d * sc_a
@@ -318,7 +319,7 @@ def _decode_block(blocks_ptr, base, FORMAT: tl.constexpr, G: tl.constexpr, C: tl
         q_a = (((ql & 15) | (((qh >> (2 * (b0 // 32))) & 3) << 4)) - 32).to(tl.float32)
         q_b = (((ql >> 4) | (((qh >> (2 * (2 + b0 // 32))) & 3) << 4)) - 32).to(tl.float32)
         first = (hs // 4) * 128 + (hs % 4) * 16
-        d = _f16(blocks_ptr + base + 208, base >= 0)[:, None]
+        d = _f16(blocks_ptr + base + 208, base == base)[:, None]
         sp = blocks_ptr + base[:, None] + 192
         s_a = d * tl.load(sp + first // 16).to(tl.int8, bitcast=True).to(tl.float32)
         s_b = d * tl.load(sp + (first + 64) // 16).to(tl.int8, bitcast=True).to(tl.float32)
