@@ -29,7 +29,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     flag has none; the description and epilog keep their line breaks."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        help = action.help or ""
+        help = (action.help or "").replace("%", "%%")  # config help is plain text
         default = action.default
         if ("default" in help or default is None or default is argparse.SUPPRESS
                 or default is False or default == () or default == [] or not action.option_strings):

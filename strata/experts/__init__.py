@@ -9,7 +9,7 @@ from dataclasses import dataclass
 class ExpertOffload:
     """--experts-in-ram's settings, as a stage takes them."""
     size: tuple[str, float]  # EngineConfig.expert_cache_size()
-    policy: str = "lru"
+    policy: str = "lfu"
     pcie_frac: float = 1.0
 
     @classmethod

@@ -97,7 +97,7 @@ class _Part:
 
 class ExpertCache:
     def __init__(self, layers: list[nn.Module], device: torch.device, num_slots: int,
-                 policy: str = "lru", pcie_frac: float = 1.0):
+                 policy: str = "lfu", pcie_frac: float = 1.0):
         """`layers`: the stage's GroupedExperts, their weights loaded in host memory.
         Takes them over: their projections become views of the host tensors, and each
         gets `offload` (CachedExperts) through which it computes."""

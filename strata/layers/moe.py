@@ -212,8 +212,11 @@ class GroupedExperts(nn.Module):
         up = grouped_mm(rows, up_w, counts)
         out = grouped_mm(F.silu(gate) * up, down_w, counts)  # [T*k, hidden]
         out = out * weights.reshape(-1)[order, None]
-        result = torch.zeros_like(x)
-        return result.index_add_(0, order // top_k, out)
+        # back in pair order, each token's k rows summed in order: deterministic (an
+        # index_add_ adds them with atomics on CUDA, in a different order every run)
+        pairs = torch.empty_like(out)
+        pairs[order] = out
+        return pairs.view(tokens, top_k, -1).sum(dim=1)
 
 
 def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
