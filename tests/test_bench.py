@@ -230,3 +230,24 @@ def test_simulated_arm_is_labelled():
         "| real | 139 / 209 (56-62 each) |", "| sim (simulated) | 139 / 209 (56-62 each) |"]
     assert acceptance_table(results).splitlines()[2:] == [
         "| real | - |", "| sim (simulated) | 90% (180/200) |"]
+
+
+def test_the_busy_table_shows_each_stages_expert_hit_rate(monkeypatch):
+    """--experts-in-ram: the server's expert read counters, over a measurement, become
+    each stage's hit rate in the busy table."""
+    from strata.bench import stages
+    from strata.experts.cache import ExpertStats
+    from strata.server.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.observe_stages([1.0, 1.0], 0.5)
+    metrics.observe_experts([ExpertStats(hits=10, misses=10), ExpertStats(hits=5, misses=0)])
+    monkeypatch.setattr(stages.httpx, "get", lambda url, timeout: httpx.Response(
+        200, text=metrics.render().decode(), request=httpx.Request("GET", url)))
+    with stages.BusyMeter("http://x/v1") as meter:
+        metrics.observe_stages([2.0, 1.5], 0.75)
+        metrics.observe_experts([ExpertStats(hits=19, misses=11),
+                                 ExpertStats(hits=5, misses=0)])
+    assert meter.expert_hits == [0.9, 1.0]
+    cell = busy_cell({"stage_busy": [0.5, 0.25, 0.1], "expert_hits": meter.expert_hits})
+    assert cell == "0.50 0.25 (sched 0.10; experts 90% 100%)"

@@ -92,6 +92,7 @@ def measure_arm(base_url: str, api_key: str | None, config: BenchConfig, progres
                 result = {"solo": solo(client, model, name, config.edit_file,
                                        config.max_tokens, seed)}
             result["solo"]["stage_busy"] = meter.fractions
+            result["solo"]["expert_hits"] = meter.expert_hits
             if config.users > 1:
                 progress(f"{where}: {name}, {config.users} users "
                          f"(1 user: {rate(result['solo']['decode_tok_s'])} tok/s)")
@@ -99,6 +100,7 @@ def measure_arm(base_url: str, api_key: str | None, config: BenchConfig, progres
                     result["concurrent"] = concurrent(client, model, name, config.edit_file,
                                                       config.max_tokens, config.users, seed)
                 result["concurrent"]["stage_busy"] = meter.fractions
+                result["concurrent"]["expert_hits"] = meter.expert_hits
             out[name] = result
         return model, out
 

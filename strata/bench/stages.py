@@ -1,7 +1,9 @@
 """Each stage's busy fraction while a measurement ran: the server's
 `strata_stage_busy_seconds` counters (compute time per stage) read from /metrics before
 and after, over the measurement's wall time; the last number is the scheduler's
-(`strata_scheduler_busy_seconds`). Servers without these counters give None."""
+(`strata_scheduler_busy_seconds`). Servers without these counters give None. With
+--experts-in-ram, each stage's expert cache hit rate over the measurement too
+(`strata_expert_reads_total`)."""
 
 from __future__ import annotations
 
@@ -12,14 +14,32 @@ import httpx
 
 _SAMPLE = re.compile(r'^strata_stage_busy_seconds_total\{stage="(\d+)"\} (\S+)$', re.M)
 _SCHEDULER = re.compile(r'^strata_scheduler_busy_seconds_total (\S+)$', re.M)
+_EXPERTS = re.compile(r'^strata_expert_reads_total\{([^}]*)\} (\S+)$', re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
-def busy_seconds(base_url: str) -> list[float] | None:
-    """Busy seconds of each stage, then of the scheduler."""
+def metrics(base_url: str) -> str | None:
     root = base_url.rstrip("/").removesuffix("/v1")
     try:
-        text = httpx.get(f"{root}/metrics", timeout=10).text
+        return httpx.get(f"{root}/metrics", timeout=10).text
     except httpx.HTTPError:
+        return None
+
+
+def expert_reads(text: str | None) -> dict[int, tuple[float, float]]:
+    """stage -> (expert reads that hit the VRAM cache, that missed), since start-up."""
+    reads: dict[int, list[float]] = {}
+    for labels, value in _EXPERTS.findall(text or ""):
+        label = dict(_LABEL.findall(labels))
+        reads.setdefault(int(label["stage"]), [0.0, 0.0])[label["result"] == "miss"] = \
+            float(value)
+    return {stage: (hit, miss) for stage, (hit, miss) in reads.items()}
+
+
+def busy_seconds(base_url: str, text: str | None = None) -> list[float] | None:
+    """Busy seconds of each stage, then of the scheduler."""
+    text = text if text is not None else metrics(base_url)
+    if text is None:
         return None
     samples = {int(stage): float(value) for stage, value in _SAMPLE.findall(text)}
     if not samples:
@@ -35,15 +55,24 @@ class BusyMeter:
     def __init__(self, base_url: str):
         self.base_url = base_url
         self.fractions: list[float] | None = None
+        self.expert_hits: list[float] | None = None  # per stage with an expert cache
 
     def __enter__(self) -> BusyMeter:
-        self.before = busy_seconds(self.base_url)
+        text = metrics(self.base_url)
+        self.before, self.reads = busy_seconds(self.base_url, text), expert_reads(text)
         self.start = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
         wall = time.perf_counter() - self.start
-        after = busy_seconds(self.base_url)
+        text = metrics(self.base_url)
+        after = busy_seconds(self.base_url, text)
+        hits = []
+        for stage, (hit, miss) in sorted(expert_reads(text).items()):
+            hit0, miss0 = self.reads.get(stage, (0.0, 0.0))
+            reads = hit - hit0 + miss - miss0
+            hits.append(round((hit - hit0) / reads, 3) if reads else 1.0)
+        self.expert_hits = hits or None
         if self.before is None or after is None or wall <= 0:
             return
         before = self.before + [0.0] * (len(after) - len(self.before))

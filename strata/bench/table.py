@@ -63,12 +63,15 @@ def acceptance_table(results: dict) -> str:
 
 
 def busy_cell(result: dict | None) -> str:
-    """'0.95 0.93 0.90 0.88 (sched 0.20)': each stage, then the scheduler."""
+    """'0.95 0.93 0.90 0.88 (sched 0.20)': each stage, then the scheduler; with experts
+    in host RAM each stage's expert cache hit rate too ('; experts 94% 90%')."""
     fractions = (result or {}).get("stage_busy")
     if not fractions:
         return "-"
     *stages, scheduler = fractions
-    return " ".join(f"{f:.2f}" for f in stages) + f" (sched {scheduler:.2f})"
+    hits = (result or {}).get("expert_hits")
+    experts = "; experts " + " ".join(f"{100 * h:.0f}%" for h in hits) if hits else ""
+    return " ".join(f"{f:.2f}" for f in stages) + f" (sched {scheduler:.2f}{experts})"
 
 
 def busy_table(results: dict) -> str | None:
