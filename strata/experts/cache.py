@@ -231,6 +231,7 @@ class ExpertCache:
 
     def after_window(self) -> None:
         """The window's counts on their way to the host (read by a later before_window)."""
+        resident = self._resident_now  # what this window ran with
         if len(self._counts) >= USAGE_RING:  # NOTE: waits for the oldest window's copy
             self._wait(self._counts[0][1])
             before = len(self._counts)
@@ -242,7 +243,7 @@ class ExpertCache:
         event = torch.cuda.Event() if self.cuda else None
         if event is not None:
             event.record()
-        self._counts.append((counts, event, self._resident_now))
+        self._counts.append((counts, event, resident))
 
     def reset_usage(self) -> None:
         """Forget counts of windows that were not real (graph capture)."""
