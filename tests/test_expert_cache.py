@@ -286,6 +286,11 @@ def test_the_kernels_read_host_rows_on_either_side_of_the_pool(host_first):
             assert torch.equal(ours, ref), (tokens, weights[0].dtype)
 
 
+def test_layers_of_different_formats_are_a_clear_error():
+    with pytest.raises(StrataError, match="different shapes or formats"):
+        ExpertCache([*dense_layers(1), *quantized_layers(1)], torch.device("cpu"), 2)
+
+
 def test_pool_contents_matter():
     """The check above can fail: a slot holding the wrong bytes changes the output."""
     layers = dense_layers(1)

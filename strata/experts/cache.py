@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from strata.errors import StrataError
 from strata.experts.policy import ExpertCachePolicy
 
 log = logging.getLogger("strata.engine")
@@ -119,8 +120,11 @@ class ExpertCache:
                 if (tuple(w.shape[1:]) != part.shape or w.dtype != self.dtype
                         or getattr(w, "qtype", None) != part.qtype
                         or w.shape[0] != self.num_experts):
-                    raise ValueError("the expert cache needs every MoE layer of a stage to "
-                                     "keep its experts in one shape and format")
+                    raise StrataError(
+                        "--experts-in-ram: this stage's MoE layers keep their experts in "
+                        "different shapes or formats (a GGUF may quantize layers "
+                        "differently), and one expert cache holds one kind; split the "
+                        "layers into stages of one kind each, or leave --experts-in-ram off")
         element = torch.empty(0, dtype=self.dtype).element_size()
         self.expert_bytes = self.row_size * element
         self.pool = torch.empty(max(1, num_slots), self.row_size, dtype=self.dtype,
