@@ -227,24 +227,21 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -
     if weight.dtype == torch.uint8:
         from strata import quant
         return looped_mm(rows, counts,
-                         lambda e: quant.dequantize(weight[e], weight.qtype, rows.dtype))
+                         lambda e: quant.dequantize(weight[e], weight.qtype, rows.dtype),
+                         weight.shape[1])
     if rows.is_cuda and rows.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
-    return looped_mm(rows, counts, weight.__getitem__)
+    return looped_mm(rows, counts, weight.__getitem__, weight.shape[1])
 
 
-def looped_mm(rows: torch.Tensor, counts: torch.Tensor, weight_of) -> torch.Tensor:
+def looped_mm(rows: torch.Tensor, counts: torch.Tensor, weight_of,
+              out_features: int) -> torch.Tensor:
     """grouped_mm one expert at a time: weight_of(e) is expert e's dense [out, in]."""
-    out = None
+    out = rows.new_empty(rows.shape[0], out_features)
     start = 0
     for expert, count in enumerate(counts.tolist()):  # NOTE: one host read per layer
         if count:
-            w = weight_of(expert)
-            if out is None:
-                out = rows.new_empty(rows.shape[0], w.shape[0])
-            out[start:start + count] = rows[start:start + count] @ w.T
+            out[start:start + count] = rows[start:start + count] @ weight_of(expert).T
             start += count
-    if out is None:  # no rows
-        out = rows.new_empty(0, weight_of(0).shape[0])
     return out
