@@ -252,7 +252,7 @@ def main() -> int:
             launch(header)
 
         stage.move_blocks = move_blocks
-        held = (stage.experts.pool.nbytes / 2**30 if stage.experts is not None else 0.0)
+        held = stage.experts.pool_bytes / 2**30 if stage.experts is not None else 0.0
         routing.use(False)
         decode(engine, routing, 1, 4, seed=99)  # warm-up (the routers are seen)
         if routing.trace is None and "trace" in routings:

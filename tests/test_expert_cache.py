@@ -20,7 +20,7 @@ from test_spec_lossless import copy_heavy_prompts
 from strata.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.errors import StrataError
-from strata.experts.cache import ExpertCache
+from strata.experts.cache import ExpertCache, ExpertCaches
 from strata.experts.policy import ExpertCachePolicy
 from strata.layers.moe import GroupedExperts
 from strata.sampling.params import SamplingParams
@@ -286,8 +286,24 @@ def test_the_kernels_read_host_rows_on_either_side_of_the_pool(host_first):
             assert torch.equal(ours, ref), (tokens, weights[0].dtype)
 
 
-def test_layers_of_different_formats_are_a_clear_error():
-    with pytest.raises(StrataError, match="different shapes or formats"):
+def test_layers_of_different_formats_get_a_cache_each():
+    """A GGUF may keep some layers' experts in other formats (Q4_K_M: half the layers'
+    down projections in Q6_K): one cache per kind, the VRAM shared out by bytes."""
+    plain = [*dense_layers(1), *quantized_layers(2)]
+    layers = [*dense_layers(1), *quantized_layers(2)]
+    caches = ExpertCaches(layers, torch.device("cpu"), ("share", 0.5))
+    assert len(caches.caches) == 2
+    assert [c.total_experts for c in caches.caches] == [8, 16]
+    assert [int(c.policy.resident.sum()) for c in caches.caches] == [4, 8]
+    everything = sum(c.total_experts * c.expert_bytes for c in caches.caches)
+    sizes = ExpertCaches([*dense_layers(1), *quantized_layers(2)], torch.device("cpu"),
+                         ("bytes", everything / 2))  # half the bytes: half of each kind
+    assert [c.pool.shape[0] for c in sizes.caches] == [4, 8]
+    for a, b, hidden in zip(plain, layers, (32, 64, 64)):
+        x = window(3, hidden)
+        experts, weights = routing(3, 2, 8)
+        assert torch.equal(a(x, experts, weights), b(x, experts, weights))
+    with pytest.raises(ValueError, match="one kind"):
         ExpertCache([*dense_layers(1), *quantized_layers(1)], torch.device("cpu"), 2)
 
 
@@ -325,7 +341,7 @@ def test_greedy_output_with_a_quarter_of_the_experts_cached_equals_all_resident(
         assert engine.draft_stats.accepted > 0
         stats = engine.expert_stats[0]
         assert stats.hits > 0 and stats.misses > 0, stats
-        cache = engine.runner.stages[0].experts
+        (cache,) = engine.runner.stages[0].experts.caches
         assert (cache.policy.slot >= 0).sum() == round(0.25 * cache.total_experts)
         if policy == "lru" and parallel == 1:
             assert stats.upload_bytes > 0  # the cache changed as it went

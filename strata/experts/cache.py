@@ -45,7 +45,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from strata.errors import StrataError
 from strata.experts.policy import ExpertCachePolicy
 
 log = logging.getLogger("strata.engine")
@@ -120,11 +119,8 @@ class ExpertCache:
                 if (tuple(w.shape[1:]) != part.shape or w.dtype != self.dtype
                         or getattr(w, "qtype", None) != part.qtype
                         or w.shape[0] != self.num_experts):
-                    raise StrataError(
-                        "--experts-in-ram: this stage's MoE layers keep their experts in "
-                        "different shapes or formats (a GGUF may quantize layers "
-                        "differently), and one expert cache holds one kind; split the "
-                        "layers into stages of one kind each, or leave --experts-in-ram off")
+                    raise ValueError("an ExpertCache holds experts of one kind (shapes, "
+                                     "dtype, format): ExpertCaches groups layers by kind")
         element = torch.empty(0, dtype=self.dtype).element_size()
         self.expert_bytes = self.row_size * element
         self.pool = torch.empty(max(1, num_slots), self.row_size, dtype=self.dtype,
@@ -368,6 +364,69 @@ class ExpertCache:
             view = self.pool[:, p.start:p.end].view(self.pool.shape[0], *p.shape)
             views.append(view if p.qtype is None else (view, p.qtype))
         return views
+
+
+def kind_of(layer: nn.Module) -> tuple:
+    """What one cache holds one of: each projection's shape, dtype and GGUF format."""
+    return tuple((tuple(w.shape), w.dtype, getattr(w, "qtype", None))
+                 for w in (layer.gate_proj, layer.up_proj, layer.down_proj))
+
+
+class ExpertCaches:
+    """A stage's routed experts: one ExpertCache per kind of expert (a GGUF file may keep
+    some layers' experts in other formats than the rest: Q4_K_M stores half the layers'
+    down projections in Q6_K), the VRAM shared out in proportion to their bytes."""
+
+    def __init__(self, layers: list[nn.Module], device: torch.device, size: tuple[str, float],
+                 policy: str = "lfu", pcie_frac: float = 1.0):
+        """`size`: EngineConfig.expert_cache_size(), ("share", f), ("bytes", n) or
+        ("auto", 0): 90% of the device's free memory (a CPU stage: everything)."""
+        kinds: dict[tuple, list[nn.Module]] = {}
+        for layer in layers:
+            kinds.setdefault(kind_of(layer), []).append(layer)
+        bytes_of = {k: sum(w[0].nbytes for w in (g[0].gate_proj, g[0].up_proj, g[0].down_proj))
+                    for k, g in kinds.items()}  # one expert's bytes, per kind
+        total = sum(bytes_of[k] * len(g) * g[0].num_experts for k, g in kinds.items())
+        how, value = size
+        if how == "auto":
+            how, value = (("bytes", 0.9 * torch.cuda.mem_get_info(device)[0])
+                          if device.type == "cuda" else ("share", 1.0))
+        self.caches = []
+        for k, group in kinds.items():
+            experts = len(group) * group[0].num_experts
+            if how == "share":
+                slots = round(value * experts)
+            else:  # this kind's part of the bytes, by its share of the experts' bytes
+                slots = int(value * bytes_of[k] * experts / total // bytes_of[k])
+            self.caches.append(ExpertCache(group, device, min(slots, experts), policy,
+                                           pcie_frac))
+
+    def before_window(self) -> None:
+        for cache in self.caches:
+            cache.before_window()
+
+    def after_window(self) -> None:
+        for cache in self.caches:
+            cache.after_window()
+
+    def reset_usage(self) -> None:
+        for cache in self.caches:
+            cache.reset_usage()
+
+    def take_stats(self) -> list[float]:
+        """What the caches did since the last call, summed (ExpertStats' fields)."""
+        return [sum(values) for values in zip(*(c.take_stats() for c in self.caches))]
+
+    @property
+    def stats(self) -> ExpertStats:
+        total = ExpertStats()
+        for cache in self.caches:
+            total.add(cache.stats.vector())
+        return total
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(c.pool.nbytes for c in self.caches)
 
 
 class CachedExperts:

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from strata.attention import AttentionBatch, get_backend
 from strata.config import EngineConfig
 from strata.experts import ExpertOffload
-from strata.experts.cache import ExpertCache, ExpertStats
+from strata.experts.cache import ExpertCaches, ExpertStats
 from strata.errors import StrataError
 from strata.kvcache.cache import Cache, HostBlocks, PagedKVCache, SlotStateCache, allocate
 from strata.kvcache.spec import CacheSize
@@ -81,7 +81,7 @@ class Stage:
                  compile_layers: bool = False, offload: ExpertOffload | None = None):
         self.index, self.layers, self.device, self.dtype = index, layers, device, dtype
         self.arch, self.cache_size, self.offload = arch, cache_size, offload
-        self.experts: ExpertCache | None = None  # set by load() with --experts-in-ram
+        self.experts: ExpertCaches | None = None  # set by load() with --experts-in-ram
         self.graphs: StageGraphs | None = None  # set by capture_graphs()
         self.weights: LoadStats | None = None   # set by load(): what stays quantized
         last = index == num_stages - 1
@@ -137,26 +137,13 @@ class Stage:
         return (self.offload is not None and name.startswith("model.layers.")
                 and name.endswith(STACKED))
 
-    def _expert_cache(self) -> ExpertCache:
-        """The routed experts (loaded in host RAM) behind a VRAM cache of the size
+    def _expert_cache(self) -> ExpertCaches:
+        """The routed experts (loaded in host RAM) behind VRAM caches of the size
         --expert-cache asks for."""
         layers = [m for m in self.module.model.layers.modules()
                   if isinstance(m, GroupedExperts)]
-        num_experts = sum(m.num_experts for m in layers)
-        expert_bytes = sum(getattr(layers[0], n)[0].nbytes
-                           for n in ("gate_proj", "up_proj", "down_proj"))
-        kind, value = self.offload.size
-        if kind == "share":
-            slots = round(value * num_experts)
-        elif kind == "bytes":
-            slots = int(value // expert_bytes)
-        elif self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
-            slots = int(0.9 * free // expert_bytes)
-        else:
-            slots = num_experts
-        return ExpertCache(layers, self.device, min(slots, num_experts), self.offload.policy,
-                           self.offload.pcie_frac)
+        return ExpertCaches(layers, self.device, self.offload.size, self.offload.policy,
+                            self.offload.pcie_frac)
 
     def capture_graphs(self, config: EngineConfig) -> None:
         """Capture this stage's forward as CUDA graphs (--cuda-graphs) for windows of up
