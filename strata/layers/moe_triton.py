@@ -49,6 +49,12 @@ H200 (benchmarks/README.md). A group never spans two
 blocks, so the inner dimensions must be whole blocks: H (and I, for down) a multiple of
 256 for the K-quants, of 32 for Q8_0 and Q4_x.
 
+Expert caches (--experts-in-ram, strata/experts/cache.py). Given `rows` (int64 [E]), the
+projections are a cache's pool of slots and each program reads its expert's weights at
+the row rows[e] of them (`_program_tile`, CACHED): a slot, or a row outside the pool that
+lands on the expert's bytes in pinned host memory (read over PCIe; negative when host
+memory lies below the pool). `usage` then gains the window's pair counts per expert.
+
 NOTE: nothing here syncs with the host or allocates by data: every buffer's shape
 follows (T, k, E, H, I) and each program loads its expert and that expert's count, so a
 launch can be captured in a CUDA graph. Tile sizes are fixed (no autotuning: a fresh
