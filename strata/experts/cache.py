@@ -113,14 +113,9 @@ class ExpertCache:
             start += size
         self.row_size, self.dtype = start, first.gate_proj.dtype
         self.num_experts = first.gate_proj.shape[0]
-        for layer in layers:
-            for part in self.parts:
-                w = getattr(layer, part.name)
-                if (tuple(w.shape[1:]) != part.shape or w.dtype != self.dtype
-                        or getattr(w, "qtype", None) != part.qtype
-                        or w.shape[0] != self.num_experts):
-                    raise ValueError("an ExpertCache holds experts of one kind (shapes, "
-                                     "dtype, format): ExpertCaches groups layers by kind")
+        if len({kind_of(layer) for layer in layers}) != 1:
+            raise ValueError("an ExpertCache holds experts of one kind (shapes, dtype, "
+                             "format): ExpertCaches groups layers by kind")
         element = torch.empty(0, dtype=self.dtype).element_size()
         self.expert_bytes = self.row_size * element
         self.pool = torch.empty(max(1, num_slots), self.row_size, dtype=self.dtype,
@@ -143,6 +138,7 @@ class ExpertCache:
         self._timing: deque = deque()    # (start, done) events of uploads, for the stats
         self._resident_now = self.policy.resident.copy()
         self._side = torch.cuda.Stream(device) if self.cuda else None
+        self.projections = self._projections()  # made once: the pool never moves
         self._fill()
         for index, layer in enumerate(layers):
             layer.offload = CachedExperts(self, index)
@@ -176,8 +172,7 @@ class ExpertCache:
         """Every slot given an expert before the first window, each layer an equal share."""
         admissions = self.policy.fill()
         for a in admissions:
-            layer, expert = divmod(a.key, self.num_experts)
-            self.pool[a.slot].copy_(self.hosts[layer][expert])
+            self.pool[a.slot].copy_(self._host_row(a.key))
         self.policy.uploaded([a.key for a in admissions])
         self._point([a.key for a in admissions])
         self._push_rows()
@@ -220,7 +215,8 @@ class ExpertCache:
             self.policy.uploaded(keys)
             self._point([k for k in keys if self.policy.slot.reshape(-1)[k] >= 0])
         self._point_evicted()  # the victims, of admissions and of the reserve
-        self._push_rows()
+        if not np.array_equal(self.rows_host, self._pushed):
+            self._push_rows()
         if later or draining:
             freed = self._event()  # after every window launched so far
             if later:
@@ -273,8 +269,7 @@ class ExpertCache:
         self.stats.upload_bytes += len(admissions) * self.expert_bytes
         if not self.cuda:
             for a in admissions:
-                layer, expert = divmod(a.key, self.num_experts)
-                self.pool[a.slot].copy_(self.hosts[layer][expert])
+                self.pool[a.slot].copy_(self._host_row(a.key))
             return None
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._side):
@@ -282,11 +277,15 @@ class ExpertCache:
                 self._side.wait_event(after)
             start.record()
             for a in admissions:
-                layer, expert = divmod(a.key, self.num_experts)
-                self.pool[a.slot].copy_(self.hosts[layer][expert], non_blocking=True)
+                self.pool[a.slot].copy_(self._host_row(a.key), non_blocking=True)
             done.record()
         self._timing.append((start, done))
         return done
+
+    def _host_row(self, key: int) -> torch.Tensor:
+        """Expert `key`'s (flat: layer * experts + expert) row in host RAM."""
+        layer, expert = divmod(key, self.num_experts)
+        return self.hosts[layer][expert]
 
     def _event(self):
         """An event after everything queued on the compute stream so far (None on CPU)."""
@@ -320,7 +319,8 @@ class ExpertCache:
     def _push_rows(self) -> None:
         # NOTE: from pageable memory: the copy stages the table before returning, so the
         # host may change it at once; no device sync.
-        self.rows.copy_(torch.from_numpy(self.rows_host.copy()), non_blocking=True)
+        self._pushed = self.rows_host.copy()  # what the device's table holds
+        self.rows.copy_(torch.from_numpy(self._pushed), non_blocking=True)
 
     @staticmethod
     def _done(event) -> bool:
@@ -356,7 +356,7 @@ class ExpertCache:
             views.append(stacked)
         return views
 
-    def projections(self) -> list:
+    def _projections(self) -> list:
         """The pool's views as the fused kernels take them: a [slots, out, in] tensor per
         projection, or (blocks, qtype) pairs."""
         views = []
@@ -418,13 +418,6 @@ class ExpertCaches:
         return [sum(values) for values in zip(*(c.take_stats() for c in self.caches))]
 
     @property
-    def stats(self) -> ExpertStats:
-        total = ExpertStats()
-        for cache in self.caches:
-            total.add(cache.stats.vector())
-        return total
-
-    @property
     def pool_bytes(self) -> int:
         return sum(c.pool.nbytes for c in self.caches)
 
@@ -435,15 +428,11 @@ class CachedExperts:
     def __init__(self, cache: ExpertCache, index: int):
         self.cache, self.index = cache, index
 
-    @property
-    def device(self) -> torch.device:
-        return self.cache.device
-
     def fused(self, x: torch.Tensor, experts: torch.Tensor,
               weights: torch.Tensor) -> torch.Tensor:
         from strata.layers import moe_triton
         cache = self.cache
-        gate, up, down = cache.projections()
+        gate, up, down = cache.projections
         rows, usage = cache.rows[self.index], cache.usage[self.index]
         if cache.parts[0].qtype is not None:
             return moe_triton.fused_experts_quantized(x, experts, weights, gate, up, down,

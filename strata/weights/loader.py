@@ -94,30 +94,29 @@ def load_module(module: nn.Module, checkpoint, arch: Architecture, *, device: to
     spec allows it and the file stores a supported format. `checkpoint_name` maps a
     parameter's name in the module to the checkpoint's."""
     stats = LoadStats()
-    stage_device = device
     for name, param in list(module.named_parameters()):
-        device = torch.device("cpu") if in_host_ram(name) else stage_device
+        place = torch.device("cpu") if in_host_ram(name) else device
         spec = spec_of(param)
         target = spec.dtype or dtype
         qtype = None
         if checkpoint.format == "random":  # drawn on the stage's device (the same values
             # wherever they are kept, and fast), then moved
-            value = (checkpoint.blocks(name, tuple(param.shape), stage_device)
+            value = (checkpoint.blocks(name, tuple(param.shape), device)
                      if spec.quantized else None)
             if value is not None:
                 qtype = checkpoint.qtype
             else:
-                value = torch.empty(param.shape, dtype=target, device=stage_device)
+                value = torch.empty(param.shape, dtype=target, device=device)
                 checkpoint.fill(name, value)
-            value = value.to(device)
+            value = value.to(place)
         else:
             stored = read_checked(arch, checkpoint, checkpoint_name(name), param.shape, spec)
             if spec.quantized and param.dim() in (2, 3) and stored.type in FORMATS \
                     and not stored.is_torch:  # a projection, or stacked experts
                 qtype = stored.type
-                value = torch.from_numpy(np.array(stored.data, dtype=np.uint8)).to(device)
+                value = torch.from_numpy(np.array(stored.data, dtype=np.uint8)).to(place)
             else:
-                value = stored.dense(target).to(device)
+                value = stored.dense(target).to(place)
         loaded = with_spec(nn.Parameter(value, requires_grad=False), spec)
         size = value.numel() * value.element_size()
         if qtype is not None:
