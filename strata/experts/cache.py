@@ -30,7 +30,7 @@ Per window (Stage.move_blocks calls before_window, Stage.forward after_window):
                  missed, at most an eighth of the slots), their slots free once the
                  windows reading them are done, so that most misses take a free slot and
                  hit from the window after the one that observed them. The rows table
-                 goes to the device once per call, in stream order.
+                 goes to the device when it changed, in one copy, in stream order.
 Windows larger than the fused path (prompt chunks) and CPU stages take the grouped path
 (layers/moe.py), the routed experts gathered from their slots and host rows.
 """
