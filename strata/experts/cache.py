@@ -27,7 +27,7 @@ Per window (Stage.move_blocks calls before_window, Stage.forward after_window):
                    before_window points the expert at its slot, the compute stream
                    waiting for the copy.
                  Experts are evicted ahead (policy.reserve: as many as the last window
-                 missed, at most an eighth of the slots), their slots free once the
+                 missed, at most an eighth of the slots, at least one), their slots free once the
                  windows reading them are done, so that most misses take a free slot and
                  hit from the window after the one that observed them. The rows table
                  goes to the device when it changed, in one copy, in stream order.
@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from strata.experts.policy import ExpertCachePolicy
+from strata.experts.prefetch import Prefetch
 
 log = logging.getLogger("strata.engine")
 
@@ -60,6 +61,10 @@ class ExpertStats:
     read_bytes: float = 0    # bytes the misses read over PCIe
     upload_bytes: float = 0  # bytes uploaded into slots (side stream)
     upload_seconds: float = 0.0  # side-stream time of those uploads (hidden)
+    prefetched: float = 0      # experts uploaded one layer ahead (prefetch.py)
+    prefetch_used: float = 0   # ... that their window then read
+    predicted_hits: float = 0  # distinct experts a predicted layer read that were predicted
+    predicted_reads: float = 0  # distinct experts predicted layers read (recall's base)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -77,12 +82,22 @@ class ExpertStats:
         reads = self.hits + self.misses
         return self.hits / reads if reads else 1.0
 
+    @property
+    def recall(self) -> float | None:
+        """Of the experts that layers with a prediction read, the share predicted."""
+        return self.predicted_hits / self.predicted_reads if self.predicted_reads else None
+
     def summary(self, tokens: int) -> str:
-        """One line: hit rate, and PCIe bytes per generated token."""
+        """One line: hit rate, PCIe bytes per generated token, and prefetch."""
         per = max(tokens, 1) * 2**20
-        return (f"{100 * self.hit_rate:.1f}% of expert reads from VRAM; over PCIe per "
+        line = (f"{100 * self.hit_rate:.1f}% of expert reads from VRAM; over PCIe per "
                 f"token {self.read_bytes / per:.1f} MiB read, {self.upload_bytes / per:.1f} "
                 f"MiB uploaded ({self.upload_seconds:.2f} s of uploads, hidden)")
+        if self.recall is not None:
+            used = self.prefetch_used / self.prefetched if self.prefetched else 0.0
+            line += (f"; prefetch recall {100 * self.recall:.0f}%, {self.prefetched:.0f} "
+                     f"experts prefetched ({100 * used:.0f}% of them read)")
+        return line
 
 
 @dataclass(frozen=True)
@@ -97,10 +112,11 @@ class _Part:
 
 class ExpertCache:
     def __init__(self, layers: list[nn.Module], device: torch.device, num_slots: int,
-                 policy: str = "lfu", pcie_frac: float = 1.0):
+                 policy: str = "lfu", pcie_frac: float = 1.0, prefetch: int = 0):
         """`layers`: the stage's GroupedExperts, their weights loaded in host memory.
         Takes them over: their projections become views of the host tensors, and each
-        gets `offload` (CachedExperts) through which it computes."""
+        gets `offload` (CachedExperts) through which it computes. `prefetch`: experts per
+        layer and window uploaded one layer ahead (prefetch.py; 0: none)."""
         self.device, self.cuda = device, device.type == "cuda"
         self.pcie_frac = pcie_frac
         first = layers[0]
@@ -140,6 +156,7 @@ class ExpertCache:
         self._side = torch.cuda.Stream(device) if self.cuda else None
         self.projections = self._projections()  # made once: the pool never moves
         self._fill()
+        self.prefetch = Prefetch(self, prefetch) if prefetch > 0 and pcie_frac > 0 else None
         for index, layer in enumerate(layers):
             layer.offload = CachedExperts(self, index)
 
@@ -191,13 +208,16 @@ class ExpertCache:
     def before_window(self) -> None:
         """Observe finished windows and admit their misses; commit uploads (see the
         module); send the rows table once; start the uploads that wait for victims."""
-        admissions, wanted = [], 0
+        observed, wanted, spare = [], 0, []
         while self._counts and self._done(self._counts[0][1]):
-            found, missed = self._observe(*self._counts.popleft())
-            admissions += found
-            wanted = max(wanted, missed)
+            reads, limit = self._observe(*self._counts.popleft(), spare)
+            observed.append((reads.missed, limit))
+            wanted = max(wanted, reads.misses)
         while self._draining and self._done(self._draining[0][1]):
             self.policy.drained(self._draining.popleft()[0])
+        if self.prefetch is not None:  # free slots go to the next window's prefetch first
+            self.prefetch.lend_slots()
+        admissions = [a for missed, limit in observed for a in self.policy.admit(missed, limit)]
         self._time_uploads()
         commits = [keys for keys, done in self._uploads]
         for _, done in self._uploads:  # uploads into drained victims' slots
@@ -210,12 +230,13 @@ class ExpertCache:
             self._gpu_wait(done)
             commits.append([a.key for a in free])
         # slots for the next window's misses, evicted ahead (free once no window reads them)
-        draining = self.policy.reserve(min(wanted, self.policy.num_slots // 8))
+        ahead = min(wanted, max(1, self.policy.num_slots // 8))
+        draining = spare + self.policy.reserve(ahead)
         for keys in commits:
             self.policy.uploaded(keys)
             self._point([k for k in keys if self.policy.slot.reshape(-1)[k] >= 0])
         self._point_evicted()  # the victims, of admissions and of the reserve
-        if not np.array_equal(self.rows_host, self._pushed):
+        if self._stale or not np.array_equal(self.rows_host, self._pushed):
             self._push_rows()
         if later or draining:
             freed = self._event()  # after every window launched so far
@@ -236,14 +257,18 @@ class ExpertCache:
         counts = torch.empty(self.usage.shape, dtype=torch.int32, pin_memory=self.cuda)
         counts.copy_(self.usage, non_blocking=True)
         self.usage.zero_()
+        ahead = self.prefetch.take() if self.prefetch is not None else None
         event = torch.cuda.Event() if self.cuda else None
         if event is not None:
             event.record()
-        self._counts.append((counts, event, resident))
+        self._counts.append((counts, event, resident, ahead))
 
     def reset_usage(self) -> None:
-        """Forget counts of windows that were not real (graph capture)."""
+        """Forget counts (and prefetches) of windows that were not real (graph capture)."""
         self.usage.zero_()
+        if self.prefetch is not None:
+            self.prefetch.reset()
+            self._push_rows()
 
     def take_stats(self) -> list[float]:
         """What the cache did since the last call (ExpertStats' fields, in order)."""
@@ -252,15 +277,44 @@ class ExpertCache:
         self._reported = ExpertStats(*now)
         return delta
 
-    def _observe(self, counts: torch.Tensor, event, resident_then: np.ndarray):
-        """(admissions for the window's misses, how many experts it missed)."""
+    def _observe(self, counts: torch.Tensor, event, resident_then: np.ndarray, ahead,
+                 spare: list[int]):
+        """What the window read (policy.Reads) and how many of its misses may be admitted;
+        its prefetches applied first (slots to drain added to `spare`)."""
         used = counts.numpy()
+        if ahead is not None:
+            resident_then = resident_then | self._prefetches(*ahead, used, spare)
         reads = self.policy.observe(used, resident_then)
         self.stats.hits += reads.hits
         self.stats.misses += reads.misses
         self.stats.read_bytes += reads.misses * self.expert_bytes
-        limit = int(self.pcie_frac * (reads.hits + reads.misses))
-        return self.policy.admit(reads.missed, limit), reads.misses
+        return reads, int(self.pcie_frac * (reads.hits + reads.misses))
+
+    def _prefetches(self, record: torch.Tensor, predicted: torch.Tensor, lent: list[int],
+                    used: np.ndarray, spare: list[int]) -> np.ndarray:
+        """A window's prefetches (prefetch.py) taken over: each filled slot its expert's
+        (or, if the expert holds a slot by now, drained: added to `spare`), the lent slots
+        it left empty free; recall counted. The experts it made resident, [layers, E]."""
+        record, predicted = record.numpy(), predicted.numpy()
+        layers, _, cols = np.nonzero(record[:, 1:, :] >= 0)
+        experts, slots = record[layers, 0, cols], record[layers, 1, cols]
+        made = np.zeros(self.policy.ready.shape, dtype=bool)
+        for layer, expert, slot in zip(layers, experts, slots):
+            key = int(layer) * self.num_experts + int(expert)
+            if self.policy.prefetched(key, int(slot)):
+                made[layer, expert] = True
+                self.rows_host[layer, expert] = slot
+            else:
+                spare.append(int(slot))
+        self.policy.returned(sorted(set(lent) - {int(s) for s in slots}))
+        self.stats.prefetched += int(made.sum())
+        self.stats.prefetch_used += int((made & (used > 0)).sum())
+        read = (used > 0)[self.prefetch.layers]
+        self.stats.predicted_hits += int((read & (predicted[self.prefetch.layers] > 0)).sum())
+        self.stats.predicted_reads += int(read.sum())
+        self.stats.upload_bytes += len(slots) * self.expert_bytes
+        self._stale |= len(slots) > 0  # the device's rows table changed under the host
+        return made
 
     def _copy(self, admissions, after):
         """Copy the admitted experts from host RAM into their slots, on the side stream
@@ -320,6 +374,7 @@ class ExpertCache:
         # NOTE: from pageable memory: the copy stages the table before returning, so the
         # host may change it at once; no device sync.
         self._pushed = self.rows_host.copy()  # what the device's table holds
+        self._stale = False
         self.rows.copy_(torch.from_numpy(self._pushed), non_blocking=True)
 
     @staticmethod
@@ -378,9 +433,12 @@ class ExpertCaches:
     down projections in Q6_K), the VRAM shared out in proportion to their bytes."""
 
     def __init__(self, layers: list[nn.Module], device: torch.device, size: tuple[str, float],
-                 policy: str = "lfu", pcie_frac: float = 1.0):
+                 policy: str = "lfu", pcie_frac: float = 1.0, prefetch: int = 0,
+                 predictors: list | None = None):
         """`size`: EngineConfig.expert_cache_size(), ("share", f), ("bytes", n) or
-        ("auto", 0): 90% of the device's free memory (a CPU stage: everything)."""
+        ("auto", 0): 90% of the device's free memory (a CPU stage: everything).
+        `predictors[i]`: layer i's router as a function of a hidden state -> expert ids
+        [T, k]; with `prefetch` > 0 each layer predicts the next one's experts with it."""
         kinds: dict[tuple, list[nn.Module]] = {}
         for layer in layers:
             kinds.setdefault(kind_of(layer), []).append(layer)
@@ -399,7 +457,12 @@ class ExpertCaches:
             else:  # this kind's part of the bytes, by its share of the experts' bytes
                 slots = int(value * bytes_of[k] * experts / total // bytes_of[k])
             self.caches.append(ExpertCache(group, device, min(slots, experts), policy,
-                                           pcie_frac))
+                                           pcie_frac, prefetch))
+        if predictors is not None:
+            for here, there, predict in zip(layers, layers[1:], predictors[1:]):
+                if there.offload.cache.prefetch is not None:
+                    there.offload.cache.prefetch.layers[there.offload.index] = True
+                    here.offload.ahead = (there.offload, predict)
 
     def before_window(self) -> None:
         for cache in self.caches:
@@ -427,6 +490,16 @@ class CachedExperts:
 
     def __init__(self, cache: ExpertCache, index: int):
         self.cache, self.index = cache, index
+        self.ahead = None  # (the next MoE layer's CachedExperts, its router), to prefetch
+
+    def before(self, x: torch.Tensor) -> None:
+        """At the layer's experts (x: their input): wait for this layer's prefetch, and
+        start the next layer's from its router applied to x (prefetch.py)."""
+        if self.cache.prefetch is not None:
+            self.cache.prefetch.join(self.index)
+        if self.ahead is not None:
+            there, predict = self.ahead
+            there.cache.prefetch.issue(there.index, predict(x))
 
     def fused(self, x: torch.Tensor, experts: torch.Tensor,
               weights: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,11 @@ union stays whole where it fits), nor are uploads in flight. A slot given up by 
 expert may still be read by windows in flight: it is `draining` (owner DRAINING) until
 the caller says those windows are done (`drained`), and only then free. `reserve` evicts
 ahead of need, so that the next window's misses find free slots at once.
+
+Prefetch (experts/prefetch.py) takes free slots the host `lend`s to a window (owner
+LENT): the device copies the experts it predicts into some of them and points their rows
+there. Once the window is observed, each slot it filled is `prefetched` (its expert's
+slot, readable at once) and the rest `returned`.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 POLICIES = ("lru", "lfu")
-FREE, DRAINING = -1, -2  # `owner` of a slot that holds no expert
+FREE, DRAINING, LENT = -1, -2, -3  # `owner` of a slot that holds no expert
 DECAY = 0.9           # lfu: a use count's weight per window that passes
 EVICTION_WINDOW = 32  # lfu: the least recently used candidates it weighs
 
@@ -141,6 +146,31 @@ class ExpertCachePolicy:
         """No window reads these draining slots any more: they are free."""
         for slot in slots:
             if self.owner[slot] == DRAINING:
+                self.owner[slot] = FREE
+
+    def lend(self, n: int) -> list[int]:
+        """Up to n free slots for a window's prefetch: LENT until it is observed."""
+        slots = [int(s) for s in np.flatnonzero(self.owner == FREE)[:max(0, n)]]
+        self.owner[slots] = LENT
+        return slots
+
+    def prefetched(self, key: int, slot: int) -> bool:
+        """A window copied expert `key` into its lent `slot`: the expert holds it, readable
+        at once (True; if the window did not read it, a first victim), unless it already holds a slot (False: the caller drains `slot`,
+        which that window's rows table may point at)."""
+        if self.owner[slot] != LENT:
+            raise ValueError(f"slot {slot} was not lent for a prefetch")
+        if self.slot.reshape(-1)[key] >= 0:
+            self.owner[slot] = DRAINING
+            return False
+        self._take(key, slot, -1)
+        self.ready.reshape(-1)[key] = True
+        return True
+
+    def returned(self, slots) -> None:
+        """Lent slots that the window left empty (no window read them): free."""
+        for slot in slots:
+            if self.owner[slot] == LENT:
                 self.owner[slot] = FREE
 
     def uploaded(self, keys) -> None:

@@ -51,6 +51,11 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return self.experts(x, experts, weights.to(x.dtype))
 
+    def predict_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts this layer would route x to [T, k] (the expert cache's prefetch
+        applies it to the previous layer's input)."""
+        return torch.topk(self.gate(x), self.top_k, dim=-1).indices
+
     def _kernel_routes(self, logits: torch.Tensor) -> bool:
         """route_triton's kernel routes: `router` "triton", or "auto" on CUDA with triton
         for the expert counts and top-k it takes (else torch routes)."""
@@ -126,6 +131,10 @@ class SharedExpertMoE(nn.Module):
         if shared_intermediate:
             self.shared_experts = GatedMLP(hidden, shared_intermediate, linear)
 
+    def predict_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts this layer would route x to [T, k] (see SparseMoE's)."""
+        return self.gate(x)[0]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         experts, weights = self.gate(x)
         out = self.experts(x, experts, weights.to(x.dtype))
@@ -182,6 +191,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
+        if self.offload is not None:
+            self.offload.before(x)
         path = self.path
         if path == "auto":
             path = ("fused" if self._fused_runs(x) and x.shape[0] <= FUSED_MAX_TOKENS

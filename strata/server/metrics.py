@@ -72,6 +72,14 @@ class Metrics:
             "strata_expert_upload_seconds", "--experts-in-ram: side-stream time of the "
             "uploads into the expert cache (hidden under compute), by stage", ["stage"],
             registry=r)
+        self.expert_prefetch = Counter(
+            "strata_expert_prefetch", "--expert-prefetch: experts uploaded one layer ahead "
+            "(uploaded) and those of them their window read (read), by stage",
+            ["stage", "result"], registry=r)
+        self.expert_predicted = Counter(
+            "strata_expert_predicted", "--expert-prefetch: distinct experts that layers "
+            "with a prediction read (read), and those of them predicted (hit): recall is "
+            "hit / read, by stage", ["stage", "result"], registry=r)
         self._seen: dict[str, tuple[int, int]] = {}
         self._expert_seen: dict[int, list[float]] = {}
         self._stage_seen: list[float] = []
@@ -132,13 +140,18 @@ class Metrics:
             if not any(values):
                 continue
             seen = self._expert_seen.get(stage, [0.0] * len(values))
-            hits, misses, read, upload, seconds = (a - b for a, b in zip(values, seen))
+            (hits, misses, read, upload, seconds, prefetched, prefetch_used, predicted_hits,
+             predicted_reads) = (a - b for a, b in zip(values, seen))
             label = str(stage)
             self.expert_reads.labels(label, "hit").inc(hits)
             self.expert_reads.labels(label, "miss").inc(misses)
             self.expert_bytes.labels(label, "read").inc(read)
             self.expert_bytes.labels(label, "upload").inc(upload)
             self.expert_upload_seconds.labels(label).inc(seconds)
+            self.expert_prefetch.labels(label, "uploaded").inc(prefetched)
+            self.expert_prefetch.labels(label, "read").inc(prefetch_used)
+            self.expert_predicted.labels(label, "hit").inc(predicted_hits)
+            self.expert_predicted.labels(label, "read").inc(predicted_reads)
             self._expert_seen[stage] = values
 
     def render(self) -> bytes:

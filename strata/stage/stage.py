@@ -142,8 +142,11 @@ class Stage:
         --expert-cache asks for."""
         layers = [m for m in self.module.model.layers.modules()
                   if isinstance(m, GroupedExperts)]
+        routers = {id(m.experts): m.predict_experts for m in self.module.model.layers.modules()
+                   if hasattr(m, "predict_experts")}
         return ExpertCaches(layers, self.device, self.offload.size, self.offload.policy,
-                            self.offload.pcie_frac)
+                            self.offload.pcie_frac, self.offload.prefetch,
+                            predictors=[routers[id(m)] for m in layers])
 
     def capture_graphs(self, config: EngineConfig) -> None:
         """Capture this stage's forward as CUDA graphs (--cuda-graphs) for windows of up
