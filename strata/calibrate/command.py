@@ -71,11 +71,31 @@ def calibrate(config: EngineConfig, options: CalibrateOptions) -> int:
     best = predictions[0].config
     settings = {name: getattr(best, name) for name in CHOSEN
                 if getattr(best, name) is not None}
+    offload = None
+    if config.experts_in_ram == "on":
+        offload = _expert_settings(profile, best, options)
+        settings.update(offload[0])
     profile = replace(profile, settings=settings)
     profile.save(options.out)
     _print(profile, predictions, base, options)
+    if offload is not None:
+        from strata.bench.report import markdown_table
+        print(f"\nexpert cache ({options.users} requests at once, measured; tok/s in all):")
+        print(markdown_table(["--pcie-frac", "--expert-prefetch", "tok/s", ""], offload[1]))
     print(f"\nwrote {options.out}: strata serve --profile {options.out}")
     return 0
+
+
+def _expert_settings(profile: CostProfile, config: EngineConfig,
+                     options: CalibrateOptions) -> tuple[dict, list[list[str]]]:
+    """--pcie-frac and --expert-prefetch measured with the chosen settings, on the sample
+    prompts (experts.py)."""
+    from strata.calibrate.experts import choose_offload
+    from strata.weights.checkpoint import open_checkpoint
+    prompts = [p for pairs in profile.traces.values() for p, _ in pairs]
+    prompts = (prompts * options.users)[:options.users]
+    return choose_offload(config, open_checkpoint(config.model, config.mtp_model), prompts,
+                          say=_say)
 
 
 def _traces(profile: CostProfile, options: CalibrateOptions) -> dict[str, list[Trace]]:
