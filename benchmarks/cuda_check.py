@@ -178,19 +178,25 @@ def expert_cache(devices: tuple[str, ...]) -> list[list[str]]:
         batch = prompts(4, model.config.vocab_size, seed=5, low=8, high=60)
         batch = [p + p[:20] for p in batch]  # some drafts are right
         runs = {}
-        for label, extra in (("device", {}), ("ram", dict(experts_in_ram="on",
-                                                           expert_cache="25%"))):
+        ram = dict(experts_in_ram="on", expert_cache="25%")
+        for label, extra in (("device", {}), ("prefetch 8", dict(ram, expert_prefetch=8)),
+                             ("no prefetch", dict(ram, expert_prefetch=0))):
             engine = Engine(EngineConfig(model=tmp, devices=devices, dtype="bf16",
                                          max_context=256, parallel=4, spec=6,
                                          cuda_graphs="on", **extra))
             runs[label] = (engine.generate(batch, greedy), engine.generate(batch[:1], greedy),
                            engine.expert_stats[0])
-        same = sum(a == b for s, t in zip(runs["device"][0], runs["ram"][0]) for a, b in zip(s, t))
-        solo = sum(a == b for a, b in zip(runs["device"][1][0], runs["ram"][1][0]))
-        stats = runs["ram"][2]
-        rows.append(["tiny qwen3_moe greedy tokens (bf16, CUDA graphs, drafts), 4 requests / 1",
-                     f"{same}/{4 * 64} / {solo}/64 (hit rate {100 * stats.hit_rate:.0f}%, "
-                     f"{stats.misses:.0f} misses read from host RAM)"])
+        for label in ("prefetch 8", "no prefetch"):
+            same = sum(a == b for s, t in zip(runs["device"][0], runs[label][0])
+                       for a, b in zip(s, t))
+            solo = sum(a == b for a, b in zip(runs["device"][1][0], runs[label][1][0]))
+            stats = runs[label][2]
+            ahead = (f", recall {100 * stats.recall:.0f}%, {stats.prefetched:.0f} prefetched "
+                     f"({stats.prefetch_used:.0f} read)" if stats.recall is not None else "")
+            rows.append([f"tiny qwen3_moe greedy tokens (bf16, CUDA graphs, drafts, {label}), "
+                         "4 requests / 1",
+                         f"{same}/{4 * 64} / {solo}/64 (hit rate {100 * stats.hit_rate:.0f}%, "
+                         f"{stats.misses:.0f} misses read from host RAM{ahead})"])
     return rows
 
 

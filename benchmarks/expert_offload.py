@@ -16,12 +16,22 @@ streams (plain decode: --spec 0 unless given) under two routings, labelled:
          32) reproduce, on a 512-expert top-10 model, what a llama.cpp branch measured on
          one (a per-layer LRU of 64 experts hit ~67%, 128 ~81%; the 32 most used experts
          take ~10% of the routing: popularity is nearly flat, reuse is temporal):
-         simulated 70% and 80%, 11% (`--fit` prints it).
+         simulated 70% and 80%, 11% (`--fit` prints it). The prefetch's prediction of a
+         layer's experts (--expert-prefetch: the next router applied one layer early)
+         gets each of the trace's experts right with probability --predict, else a
+         uniform wrong one: 0.85 by default, as speculative expert loading one layer
+         ahead recalled 80-90% on Mixtral-8x7B (Eliseev & Mazur 2023, "Fast Inference of
+         Mixture-of-Experts Language Models with Offloading"). Under the model's own
+         routing the prediction is the real one.
+
+Arms: `--caches 25,25:lfu:1:0` is a share of the experts, then optionally a policy, a
+--pcie-frac and an --expert-prefetch (0: off).
 
 Columns: decode tok/s per stream and in total; hit rate (distinct experts per window read
-from VRAM); MiB per token over PCIe read by the kernels (misses) and uploaded into the
-cache; upload seconds (side stream, hidden); and the exposed cost: ms per token beyond
-the "on device" row. `--record` appends the numbers to benchmarks/results.jsonl.
+from VRAM, prefetched ones counted as hits); MiB per token over PCIe read by the kernels
+(misses) and uploaded into the cache (prefetches included); upload seconds (admissions'
+side stream, hidden); the prefetch's recall and the share of its uploads read; and the
+exposed cost: ms per token beyond the "on device" row. `--record` appends the numbers to benchmarks/results.jsonl.
 """
 
 from __future__ import annotations
@@ -58,6 +68,9 @@ class TraceRouting:
         self.state: dict[tuple[int, int], tuple[list[int], deque]] = {}
         self.trace: np.ndarray | None = None
         self.on, self.step = False, 0
+        self.predict_p = 0.85
+        self.predicting = False  # a router called by the prefetch (predict_experts)
+        self.guess: torch.Tensor | None = None  # its logits under the trace
 
     def install(self, max_tokens: int) -> None:
         """A forward hook on every router built from now on."""
@@ -69,6 +82,16 @@ class TraceRouting:
             module.gate.register_forward_hook(routing._hook)
 
         SparseMoE.__init__ = init
+        predict = SparseMoE.predict_experts
+
+        def predicting(module, x):
+            self.predicting = True
+            try:
+                return predict(module, x)
+            finally:
+                self.predicting = False
+
+        SparseMoE.predict_experts = predicting
         self.max_tokens = max_tokens
 
     def _hook(self, gate, args, logits):
@@ -78,12 +101,14 @@ class TraceRouting:
             old = self.buffer
             self.buffer = torch.zeros(rows, self.max_tokens, logits.shape[1],
                                       dtype=logits.dtype, device=logits.device)
+            self.guess = torch.zeros_like(self.buffer)
             if old is not None:
                 self.buffer[:old.shape[0]] = old
             if self.mix is None:
                 self.mix = torch.tensor([1.0, 0.0], dtype=logits.dtype, device=logits.device)
         tokens = logits.shape[0]
-        return logits * self.mix[0] + self.buffer[index, :tokens] * self.mix[1]
+        trace = self.guess if self.predicting else self.buffer
+        return logits * self.mix[0] + trace[index, :tokens] * self.mix[1]
 
     def use(self, on: bool) -> None:
         self.on, self.step = on, 0
@@ -113,11 +138,15 @@ class TraceRouting:
         known = min(tokens, streams)
         chosen[:, :known] = self.trace[:, :known, self.step % steps]
         self.step += 1
-        logits = np.zeros((layers, tokens, experts), dtype=np.float32)
-        np.put_along_axis(logits, chosen, 10.0 - 0.01 * np.arange(top_k), axis=2)
+        # the prefetch's guess: each expert right with probability predict_p, else another
+        wrong = self.prompt_rng.random((layers, tokens, top_k)) >= self.predict_p
+        guessed = np.where(wrong, self.prompt_rng.integers(0, experts, chosen.shape), chosen)
         # NOTE: from pageable memory: staged at once, in stream order with the windows
         with torch.inference_mode():
-            self.buffer[:layers, :tokens].copy_(torch.from_numpy(logits), non_blocking=True)
+            for target, picked in ((self.buffer, chosen), (self.guess, guessed)):
+                logits = np.zeros((layers, tokens, experts), dtype=np.float32)
+                np.put_along_axis(logits, picked, 10.0 - 0.01 * np.arange(top_k), axis=2)
+                target[:layers, :tokens].copy_(torch.from_numpy(logits), non_blocking=True)
 
     def next_experts(self, layer: int, row: int, experts: int) -> list[int]:
         previous, history = self.state.get((layer, row), ([], deque(maxlen=self.recent)))
@@ -203,7 +232,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--caches", default="100,75,50,25",
                         help="cache arms, comma-separated: %% of the experts, optionally "
-                        "with a policy and a --pcie-frac (25:lfu, 25:lru:0.25)")
+                        "with a policy, a --pcie-frac and an --expert-prefetch "
+                        "(25:lfu, 25:lru:0.25, 25:lfu:1:0)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the row with every expert on the device")
     parser.add_argument("--users", default="1,4")
@@ -212,6 +242,8 @@ def main() -> int:
     parser.add_argument("--keep", type=float, default=0.5)
     parser.add_argument("--reuse", type=float, default=0.5)
     parser.add_argument("--recent", type=int, default=32)
+    parser.add_argument("--predict", type=float, default=0.85,
+                        help="trace: the prefetch's chance to predict each expert right")
     parser.add_argument("--fit", action="store_true", help="print the trace's fit and exit")
     add_record_flags(parser)
     add_engine_flags(parser, defaults={"spec": 0, "parallel": 4})
@@ -220,6 +252,7 @@ def main() -> int:
     routings = args.routings.split(",")
     base = engine_config(args)
     routing = TraceRouting(0, args.keep, args.reuse, args.recent)
+    routing.predict_p = args.predict
     if args.fit:
         print(fit(routing))
         return 0
@@ -232,6 +265,8 @@ def main() -> int:
             overrides["expert_cache_policy"] = rest[0]
         if len(rest) > 1:
             overrides["pcie_frac"] = float(rest[1])
+        if len(rest) > 2:
+            overrides["expert_prefetch"] = int(rest[2])
         arms.append((f"{share}%" + "".join(f" {r}" for r in rest), overrides))
     device = torch.device(base.devices[0])
     bandwidth = pcie_bandwidth(device) if device.type == "cuda" else float("nan")
@@ -268,6 +303,7 @@ def main() -> int:
                 key = (name, n)
                 if label == "on device":
                     reference[key] = (per_token, outputs)
+                    routing.use(name == "trace")  # the same trace again
                     again = decode(engine, routing, n, args.tokens, seed=n)[3]
                     repeats.append(f"{name}/{n}: {'yes' if again == outputs else 'NO'}")
                 exposed = ((per_token - reference[key][0]) * 1e3 if key in reference
@@ -281,6 +317,9 @@ def main() -> int:
                     mib(stats.read_bytes / max(tokens, 1)) if reads else "-",
                     mib(stats.upload_bytes / max(tokens, 1)) if reads else "-",
                     f"{stats.upload_seconds:.2f}" if reads else "-",
+                    f"{100 * stats.recall:.0f}%" if stats.recall is not None else "-",
+                    (f"{100 * stats.prefetch_used / stats.prefetched:.0f}%"
+                     if stats.prefetched else "-"),
                     f"{exposed:.1f}" if exposed is not None and label != "on device" else "-",
                     same, f"{held:.1f}"])
                 raw.append({"cache": label, "routing": name, "users": n, "tokens": tokens,
@@ -294,15 +333,18 @@ def main() -> int:
     settings = (f"devices={','.join(base.devices)} dtype={base.torch_dtype()} "
                 f"quantized_weights={base.quantized_weights} spec={base.spec} "
                 f"policy={base.expert_cache_policy} pcie_frac={base.pcie_frac} "
+                f"expert_prefetch={base.expert_prefetch} "
                 f"cuda_graphs={base.cuda_graphs}")
     print(f"machine: {machine()}\ncommit: {commit()}\nmodel: {model}\nsettings: {settings}")
     print(f"pinned host-to-device copy: {bandwidth:.1f} GB/s; trace: keep {args.keep}, "
-          f"reuse {args.reuse} of the last {args.recent} tokens ({fit(routing)})\n")
+          f"reuse {args.reuse} of the last {args.recent} tokens ({fit(routing)}), "
+          f"prefetch guesses right {args.predict}\n")
     if repeats:
         print("on device, the same tokens when run again: " + ", ".join(repeats) + "\n")
     print(markdown_table(
         ["experts in VRAM", "routing", "streams", "tok/s per stream", "tok/s total",
          "hit rate", "MiB/token read over PCIe", "MiB/token uploaded", "upload s (hidden)",
+         "prefetch recall", "prefetched read",
          "exposed ms/token", "same tokens as on device", "expert cache GiB"], rows))
     record(args, {"benchmark": "expert_offload", "model": model, "settings": settings,
                   "pcie_gb_s": bandwidth, "runs": raw})
