@@ -93,6 +93,31 @@ def test_a_layer_prefetches_the_next_layers_predicted_misses_into_lent_slots():
     assert "prefetch recall 67%" in stats.summary(1)
 
 
+def test_lent_slots_come_back_when_counts_arrive_late():
+    """Windows whose counts are not yet on the host (the device is behind): a full ring
+    makes after_window observe them itself; every lent slot is taken over or freed."""
+    layers = dense_layers(2, experts=16)  # experts 0-7 of each layer cached
+    caches = ExpertCaches(layers, torch.device("cpu"), ("share", 0.5), prefetch=1,
+                          predictors=[None, lambda x: torch.tensor([[9, 10], [11, 12]])])
+    (cache,) = caches.caches
+    late = True
+    cache._done = lambda event: not late  # the windows' copies are not done yet
+    for step in range(8):
+        freed(cache.policy, 2)  # two lent to a window that fills one at most
+        cache.before_window()
+        layers[0](window(2, 32), torch.tensor([[0, 1], [2, 3]]), torch.full((2, 2), 0.5))
+        layers[1](window(2, 32), torch.tensor([[9, 10], [2, 3]]), torch.full((2, 2), 0.5))
+        late = step < 4  # window 5 starts with four unobserved, then finds the ring full
+        cache.after_window()
+    cache.before_window()
+    assert not cache._counts
+    lent = np.flatnonzero(cache.policy.owner == LENT).tolist()
+    assert lent == sorted(cache.prefetch.lent)  # only those of the next window
+    assert cache.stats.prefetched > 0
+    held = cache.policy.slot[cache.policy.slot >= 0]
+    assert len(set(held.tolist())) == len(held)  # no slot held twice
+
+
 def test_the_most_predicted_misses_take_the_slots_there_are():
     for free, record in ((1, [[7, -1], [0, -1]]), (0, [[-1, -1], [-1, -1]])):
         layers = dense_layers(2)

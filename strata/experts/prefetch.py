@@ -58,7 +58,11 @@ class Prefetch:
     # -- the host, per window ---------------------------------------------------------
 
     def lend_slots(self) -> None:
-        """Lend the next window what free slots there are (up to the capacity)."""
+        """Lend the next window what free slots there are (up to the capacity), unless
+        slots are lent already to a window that has not handed them back (`take`): a
+        before_window that a full ring of counts calls from after_window."""
+        if self.lent:
+            return
         self.lent = self.cache.policy.lend(self.capacity)
         values = np.full(1 + self.capacity, -1, dtype=np.int64)
         values[0] = 0
