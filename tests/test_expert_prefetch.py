@@ -145,7 +145,8 @@ def test_with_prefetch_off_nothing_is_predicted():
 
 def test_the_select_kernel_chooses_as_the_torch_steps_do():
     pytest.importorskip("triton")
-    from strata.experts.prefetch import select, select_torch
+    from strata.experts.prefetch import select_torch
+    from strata.experts.prefetch_triton import select
     gen = torch.Generator().manual_seed(0)
     for experts, per_layer, lent, taken in ((8, 3, 5, 0), (16, 4, 2, 0), (40, 6, 9, 3),
                                             (5, 8, 8, 0), (64, 4, 0, 0)):
@@ -177,7 +178,7 @@ def test_the_select_kernel_chooses_as_the_torch_steps_do():
 @pytest.mark.parametrize("host_first", [True, False], ids=["host-before-pool", "after"])
 def test_the_copy_kernel_moves_host_rows_into_slots_by_address(host_first):
     pytest.importorskip("triton")
-    from strata.experts.prefetch import copy_rows
+    from strata.experts.prefetch_triton import copy_rows
     row = 3000  # not a multiple of the kernel's block
     buffer = torch.zeros(20 * row, dtype=torch.bfloat16)
     host, pool = (buffer[:8 * row], buffer[12 * row:]) if host_first else \

@@ -18,8 +18,8 @@ it, a wrong prediction costs PCIe bytes that no kernel reads. After the window t
 reads `record` and `predicted` (the counts of predicted experts) with the window's usage
 counts: filled slots become their experts' (readable at once), the rest return free, and
 recall (of the experts a predicted layer used, the share that was predicted) is counted.
-Steps 1-3 are one Triton kernel (`select`) and the copy another: two launches on the
-side stream per layer. On a CPU stage the same steps run at once in PyTorch
+Steps 1-3 are one Triton kernel (prefetch_triton.select) and the copy another: two
+launches on the side stream per layer. On a CPU stage the same steps run at once in PyTorch
 (`select_torch`), the copy as plain tensor copies.
 """
 
@@ -27,14 +27,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is in the gpu and test extras
-    triton = None
-
-COPY_BLOCK = 8192  # values of one row that one program copies
 
 
 class Prefetch:
@@ -117,6 +109,7 @@ class Prefetch:
         args = (self.predicted[layer], self.cache.rows[layer], self.host_rows[layer],
                 self.lend, self.record[layer], self.source[layer])
         if self.cache.cuda:
+            from strata.experts.prefetch_triton import copy_rows, select
             select(*args)
             copy_rows(self.cache.pool, self.source[layer], self.record[layer, 1])
             return
@@ -132,8 +125,8 @@ def select_torch(predicted: torch.Tensor, rows: torch.Tensor, host_rows: torch.T
     slots (the compute waits for the copy: `join`): `predicted` [E] counts, `rows` and
     `host_rows` [E] a layer's; `lend` [1 + capacity] the window's counter and slots;
     writes `record` [2, N] (experts, slots; -1: none) and `source` [N] (the rows the
-    experts are copied from; -1: none). Ties go to the lower expert id. `select` is this as one
-    Triton kernel."""
+    experts are copied from; -1: none). Ties go to the lower expert id.
+    prefetch_triton.select is this as one Triton kernel."""
     wanted = predicted * (rows == host_rows)
     n = min(record.shape[1], wanted.shape[0])
     expert = torch.argsort(-wanted, stable=True)[:n]
@@ -150,56 +143,3 @@ def select_torch(predicted: torch.Tensor, rows: torch.Tensor, host_rows: torch.T
     record[1, :n] = slot
     source[:n] = torch.where(took, rows[expert], -1)
     rows.scatter_(0, expert, torch.where(took, slot, rows[expert]))
-
-
-def select(predicted: torch.Tensor, rows: torch.Tensor, host_rows: torch.Tensor,
-           lend: torch.Tensor, record: torch.Tensor, source: torch.Tensor) -> None:
-    """select_torch as one program of one kernel (no host sync, a few microseconds)."""
-    experts = rows.shape[0]
-    _select[(1,)](predicted, rows, host_rows, lend, record, source, experts,
-                  lend.shape[0] - 1, PER_LAYER=record.shape[1],
-                  BLOCK_E=triton.next_power_of_2(experts))
-
-
-def copy_rows(pool: torch.Tensor, source: torch.Tensor, slots: torch.Tensor) -> None:
-    """Copy row source[i] (relative to `pool`: a slot, or host RAM by address) into row
-    slots[i] of `pool`, for each slots[i] >= 0: one kernel, no host sync."""
-    grid = (slots.shape[0], triton.cdiv(pool.shape[1], COPY_BLOCK))
-    _copy_rows[grid](pool, source, slots, pool.shape[1], BLOCK=COPY_BLOCK)
-
-
-if triton is not None:
-    @triton.jit
-    def _copy_rows(pool_ptr, source_ptr, slots_ptr, row_size, BLOCK: tl.constexpr):
-        """Program (i, j): chunk j of row source[i] into row slots[i] (skipped: -1)."""
-        slot = tl.load(slots_ptr + tl.program_id(0))
-        source = tl.load(source_ptr + tl.program_id(0))
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < tl.where(slot >= 0, row_size, 0)  # nothing where there is no slot
-        values = tl.load(pool_ptr + source * row_size + cols, mask=mask)
-        tl.store(pool_ptr + slot * row_size + cols, values, mask=mask)
-
-    @triton.jit
-    def _select(predicted_ptr, rows_ptr, host_rows_ptr, lend_ptr, record_ptr, source_ptr,
-                num_experts, capacity, PER_LAYER: tl.constexpr, BLOCK_E: tl.constexpr):
-        """select_torch: the most predicted misses, one at a time, take lent slots."""
-        e = tl.arange(0, BLOCK_E)
-        valid = e < num_experts
-        rows = tl.load(rows_ptr + e, mask=valid, other=0)
-        home = tl.load(host_rows_ptr + e, mask=valid, other=1)
-        wanted = tl.load(predicted_ptr + e, mask=valid, other=0)
-        wanted = tl.where(valid & (rows == home), wanted, 0)
-        taken = tl.load(lend_ptr)
-        for i in tl.static_range(PER_LAYER):
-            best = tl.max(wanted, axis=0)
-            expert = tl.min(tl.where(wanted == best, e, BLOCK_E), axis=0)  # the lowest id
-            slot = tl.load(lend_ptr + 1 + tl.minimum(taken, capacity - 1))
-            took = (best > 0) & (taken < capacity) & (slot >= 0)
-            row = tl.sum(tl.where(e == expert, rows, 0), axis=0)
-            tl.store(record_ptr + i, tl.where(took, expert, -1).to(tl.int64))
-            tl.store(record_ptr + PER_LAYER + i, tl.where(took, slot, -1))
-            tl.store(source_ptr + i, tl.where(took, row, -1))
-            tl.store(rows_ptr + expert, slot, mask=took)
-            taken += took.to(tl.int64)
-            wanted = tl.where(e == expert, -1, wanted)
-        tl.store(lend_ptr, taken)
