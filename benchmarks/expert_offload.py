@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -211,6 +213,40 @@ def decode(engine: Engine, routing: TraceRouting, users: int, tokens: int,
             [list(r.output_ids) for r in requests])
 
 
+def cpu_expert_cost(bandwidth: float, threads: int) -> str:
+    """One expert of Qwen3-30B-A3B's shape computed on the CPU (what llama.cpp's
+    --n-cpu-moe does for a miss), as PyTorch does it (a quantized expert dequantized
+    first, then three products), against reading its bytes over PCIe."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from test_moe_triton_quant import quantized_experts
+
+    from strata.quant import dequantize
+    torch.set_num_threads(threads)
+    blocks = [(b[0], q) for b, q in quantized_experts(("Q4_K", "Q4_K", "Q6_K"), 1, 2048, 768)]
+    dense = [dequantize(b, q, torch.bfloat16) for b, q in blocks]
+    rows = []
+    arms = (("Q4_K/Q4_K/Q6_K, dequantized per use", sum(b.nbytes for b, _ in blocks),
+             lambda: [dequantize(b, q, torch.bfloat16) for b, q in blocks]),
+            ("bf16", sum(w.nbytes for w in dense), lambda: dense))
+    for label, size, weights in arms:
+        for w in (1, 4):
+            x = torch.randn(w, 2048, dtype=torch.bfloat16)
+
+            def compute():
+                gate, up, down = weights()
+                return (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+            compute()
+            start = time.perf_counter()
+            for _ in range(5):
+                compute()
+            ms = (time.perf_counter() - start) / 5 * 1e3
+            rows.append([label, str(w), f"{ms:.2f}", f"{size / bandwidth / 1e6:.3f}",
+                         f"{size / 2**20:.1f}"])
+    return markdown_table(["expert", "tokens", f"CPU ms ({threads} threads)",
+                           f"PCIe ms at {bandwidth:.1f} GB/s", "MiB"], rows)
+
+
 def mib(size: float) -> str:
     return f"{size / 2**20:.0f}" if size >= 10 * 2**20 else f"{size / 2**20:.2f}"
 
@@ -245,6 +281,9 @@ def main() -> int:
     parser.add_argument("--predict", type=float, default=0.85,
                         help="trace: the prefetch's chance to predict each expert right")
     parser.add_argument("--fit", action="store_true", help="print the trace's fit and exit")
+    parser.add_argument("--cpu-experts", action="store_true",
+                        help="time one expert computed on the CPU against its bytes over "
+                        "PCIe (52 GB/s where no CUDA device is named) and exit")
     add_record_flags(parser)
     add_engine_flags(parser, defaults={"spec": 0, "parallel": 4})
     args = parser.parse_args()
@@ -255,6 +294,12 @@ def main() -> int:
     routing.predict_p = args.predict
     if args.fit:
         print(fit(routing))
+        return 0
+    if args.cpu_experts:
+        device = torch.device(base.devices[0])
+        bandwidth = pcie_bandwidth(device) if device.type == "cuda" else 52.0
+        print(f"machine: {machine()}\ncommit: {commit()}\n")
+        print(cpu_expert_cost(bandwidth, os.cpu_count() or 1))
         return 0
     routing.install(max(base.max_window_tokens, base.cuda_graph_max_tokens))
     arms = [] if args.no_baseline else [("on device", {"experts_in_ram": "off"})]
