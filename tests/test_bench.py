@@ -251,3 +251,15 @@ def test_the_busy_table_shows_each_stages_expert_hit_rate(monkeypatch):
     assert meter.expert_hits == [0.9, 1.0]
     cell = busy_cell({"stage_busy": [0.5, 0.25, 0.1], "expert_hits": meter.expert_hits})
     assert cell == "0.50 0.25 (sched 0.10; experts 90% 100%)"
+    metrics.observe_experts([ExpertStats(hits=19, misses=11, upload_seconds=2.0,
+                                         exposed_seconds=0.5, prefetched=4, prefetch_used=3,
+                                         predicted_hits=6, predicted_reads=8),
+                             ExpertStats(hits=5, misses=0)])
+    text = metrics.render().decode()
+    for line in ('strata_expert_upload_seconds_total{stage="0"} 2.0',
+                 'strata_expert_exposed_seconds_total{stage="0"} 0.5',
+                 'strata_expert_prefetch_total{result="uploaded",stage="0"} 4.0',
+                 'strata_expert_prefetch_total{result="read",stage="0"} 3.0',
+                 'strata_expert_predicted_total{result="hit",stage="0"} 6.0',
+                 'strata_expert_predicted_total{result="read",stage="0"} 8.0'):
+        assert line in text, line

@@ -60,7 +60,8 @@ class ExpertStats:
     misses: float = 0        # ... from host RAM (over PCIe, by the kernels themselves)
     read_bytes: float = 0    # bytes the misses read over PCIe
     upload_bytes: float = 0  # bytes uploaded into slots (side stream)
-    upload_seconds: float = 0.0  # side-stream time of those uploads (hidden)
+    upload_seconds: float = 0.0  # side-stream time of those uploads
+    exposed_seconds: float = 0.0  # ... of it that the compute stream waited for
     prefetched: float = 0      # experts uploaded one layer ahead (prefetch.py)
     prefetch_used: float = 0   # ... that their window then read
     predicted_hits: float = 0  # distinct experts a predicted layer read that were predicted
@@ -92,7 +93,8 @@ class ExpertStats:
         per = max(tokens, 1) * 2**20
         line = (f"{100 * self.hit_rate:.1f}% of expert reads from VRAM; over PCIe per "
                 f"token {self.read_bytes / per:.1f} MiB read, {self.upload_bytes / per:.1f} "
-                f"MiB uploaded ({self.upload_seconds:.2f} s of uploads, hidden)")
+                f"MiB uploaded ({self.upload_seconds:.2f} s of uploads on a side stream, "
+                f"{self.exposed_seconds:.2f} s that the compute waited for)")
         if self.recall is not None:
             used = self.prefetch_used / self.prefetched if self.prefetched else 0.0
             line += (f"; prefetch recall {100 * self.recall:.0f}%, {self.prefetched:.0f} "
@@ -152,6 +154,7 @@ class ExpertCache:
         self._uploads: list = []         # (keys, done event): copies into victims' slots
         self._draining: deque = deque()  # (slots, event after the windows reading them)
         self._timing: deque = deque()    # (start, done) events of uploads, for the stats
+        self._stalls: deque = deque()    # events around the compute's waits for uploads
         self._resident_now = self.policy.resident.copy()
         self._side = torch.cuda.Stream(device) if self.cuda else None
         self.projections = self._projections()  # made once: the pool never moves
@@ -220,15 +223,14 @@ class ExpertCache:
         admissions = [a for missed, limit in observed for a in self.policy.admit(missed, limit)]
         self._time_uploads()
         commits = [keys for keys, done in self._uploads]
-        for _, done in self._uploads:  # uploads into drained victims' slots
-            self._gpu_wait(done)
+        waits = [done for _, done in self._uploads]  # uploads into drained victims' slots
         self._uploads.clear()
         free = [a for a in admissions if a.victim < 0]
         later = [a for a in admissions if a.victim >= 0]
         if free:  # into slots no window reads: now, the window waits for them on the GPU
-            done = self._copy(free, after=None)
-            self._gpu_wait(done)
+            waits.append(self._copy(free, after=None))
             commits.append([a.key for a in free])
+        self._gpu_wait(waits)
         # slots for the next window's misses, evicted ahead (free once no window reads them)
         ahead = min(wanted, max(1, self.policy.num_slots // 8))
         draining = spare + self.policy.reserve(ahead)
@@ -349,15 +351,29 @@ class ExpertCache:
         event.record()
         return event
 
-    def _gpu_wait(self, event) -> None:
-        """The compute stream waits for `event` (no host sync)."""
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+    def _gpu_wait(self, events: list) -> None:
+        """The compute stream waits for `events` (no host sync), timed: events recorded
+        before and after the waits measure how long it stood still for them (the work
+        queued before it done, the uploads not yet): the exposed upload time."""
+        events = [e for e in events if e is not None]
+        if not events:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        before, after = (torch.cuda.Event(enable_timing=True),
+                         torch.cuda.Event(enable_timing=True))
+        before.record(stream)
+        for event in events:
+            stream.wait_event(event)
+        after.record(stream)
+        self._stalls.append((before, after))
 
     def _time_uploads(self) -> None:
         while self._timing and self._timing[0][1].query():
             start, done = self._timing.popleft()
             self.stats.upload_seconds += start.elapsed_time(done) / 1e3
+        while self._stalls and self._stalls[0][1].query():
+            before, after = self._stalls.popleft()
+            self.stats.exposed_seconds += before.elapsed_time(after) / 1e3
 
     def _point_evicted(self) -> None:
         """Rows of experts that hold no slot any more point at host RAM."""

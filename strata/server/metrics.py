@@ -70,8 +70,11 @@ class Metrics:
             ["stage", "kind"], registry=r)
         self.expert_upload_seconds = Counter(
             "strata_expert_upload_seconds", "--experts-in-ram: side-stream time of the "
-            "uploads into the expert cache (hidden under compute), by stage", ["stage"],
+            "uploads into the expert cache, by stage", ["stage"],
             registry=r)
+        self.expert_exposed_seconds = Counter(
+            "strata_expert_exposed_seconds", "--experts-in-ram: of those uploads, the time "
+            "the compute stream waited for them (exposed), by stage", ["stage"], registry=r)
         self.expert_prefetch = Counter(
             "strata_expert_prefetch", "--expert-prefetch: experts uploaded one layer ahead "
             "(uploaded) and those of them their window read (read), by stage",
@@ -140,14 +143,15 @@ class Metrics:
             if not any(values):
                 continue
             seen = self._expert_seen.get(stage, [0.0] * len(values))
-            (hits, misses, read, upload, seconds, prefetched, prefetch_used, predicted_hits,
-             predicted_reads) = (a - b for a, b in zip(values, seen))
+            (hits, misses, read, upload, seconds, exposed, prefetched, prefetch_used,
+             predicted_hits, predicted_reads) = (a - b for a, b in zip(values, seen))
             label = str(stage)
             self.expert_reads.labels(label, "hit").inc(hits)
             self.expert_reads.labels(label, "miss").inc(misses)
             self.expert_bytes.labels(label, "read").inc(read)
             self.expert_bytes.labels(label, "upload").inc(upload)
             self.expert_upload_seconds.labels(label).inc(seconds)
+            self.expert_exposed_seconds.labels(label).inc(exposed)
             self.expert_prefetch.labels(label, "uploaded").inc(prefetched)
             self.expert_prefetch.labels(label, "read").inc(prefetch_used)
             self.expert_predicted.labels(label, "hit").inc(predicted_hits)
