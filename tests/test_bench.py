@@ -263,3 +263,16 @@ def test_the_busy_table_shows_each_stages_expert_hit_rate(monkeypatch):
                  'strata_expert_predicted_total{result="hit",stage="0"} 6.0',
                  'strata_expert_predicted_total{result="read",stage="0"} 8.0'):
         assert line in text, line
+    with stages.BusyMeter("http://x/v1") as meter:
+        metrics.observe_experts([ExpertStats(hits=38, misses=12, upload_bytes=2 * 2**20,
+                                             upload_seconds=2.0, exposed_seconds=0.75,
+                                             prefetched=4, prefetch_used=3,
+                                             predicted_hits=6, predicted_reads=8),
+                                 ExpertStats(hits=6, misses=0, upload_bytes=2**20)])
+    assert meter.expert_upload == [2 * 2**20, 2**20] and meter.expert_exposed == [0.25, 0.0]
+    cell = busy_cell({"stage_busy": [0.5, 0.25, 0.1], "expert_hits": meter.expert_hits,
+                      "expert_upload": meter.expert_upload,
+                      "expert_exposed": meter.expert_exposed,
+                      "requests": [{"completion_tokens": 1}, {"completion_tokens": 3}]})
+    assert cell == ("0.50 0.25 (sched 0.10; experts 95% 100%, 0.5 0.2 MiB/token uploaded, "
+                    "0.25 0.00 s exposed)")

@@ -347,6 +347,16 @@ def test_greedy_output_with_a_quarter_of_the_experts_cached_equals_all_resident(
             assert stats.upload_bytes > 0  # the cache changed as it went
 
 
+def test_an_auto_sized_cache_on_a_cpu_stage_holds_every_expert(moe_expected):
+    folder, prompts, expected = moe_expected
+    engine = Engine(EngineConfig(model=str(folder), parallel=1, spec=0, max_context=256,
+                                 experts_in_ram="on", expert_cache="auto"))
+    (cache,) = engine.runner.stages[0].experts.caches
+    assert cache.policy.resident.all()
+    assert engine.generate(prompts[:1], GREEDY) == expected[:1]
+    assert engine.expert_stats[0].misses == 0
+
+
 def test_greedy_output_in_two_stage_processes_with_experts_in_ram(moe_expected):
     folder, prompts, expected = moe_expected
     engine = Engine(EngineConfig(model=str(folder), parallel=4, spec=6, max_context=256,

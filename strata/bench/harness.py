@@ -93,6 +93,8 @@ def measure_arm(base_url: str, api_key: str | None, config: BenchConfig, progres
                                        config.max_tokens, seed)}
             result["solo"]["stage_busy"] = meter.fractions
             result["solo"]["expert_hits"] = meter.expert_hits
+            result["solo"]["expert_upload"] = meter.expert_upload
+            result["solo"]["expert_exposed"] = meter.expert_exposed
             if config.users > 1:
                 progress(f"{where}: {name}, {config.users} users "
                          f"(1 user: {rate(result['solo']['decode_tok_s'])} tok/s)")
@@ -101,6 +103,8 @@ def measure_arm(base_url: str, api_key: str | None, config: BenchConfig, progres
                                                       config.max_tokens, config.users, seed)
                 result["concurrent"]["stage_busy"] = meter.fractions
                 result["concurrent"]["expert_hits"] = meter.expert_hits
+                result["concurrent"]["expert_upload"] = meter.expert_upload
+                result["concurrent"]["expert_exposed"] = meter.expert_exposed
             out[name] = result
         return model, out
 
