@@ -156,8 +156,9 @@ class ExpertCachePolicy:
 
     def prefetched(self, key: int, slot: int) -> bool:
         """A window copied expert `key` into its lent `slot`: the expert holds it, readable
-        at once (True; if the window did not read it, a first victim), unless it already holds a slot (False: the caller drains `slot`,
-        which that window's rows table may point at)."""
+        at once (True; unused by the window, it is among the first victims), unless it
+        holds a slot already (False: the caller drains `slot`, which that window's rows
+        table may point at)."""
         if self.owner[slot] != LENT:
             raise ValueError(f"slot {slot} was not lent for a prefetch")
         if self.slot.reshape(-1)[key] >= 0:
