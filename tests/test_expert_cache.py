@@ -342,7 +342,9 @@ def test_greedy_output_with_a_quarter_of_the_experts_cached_equals_all_resident(
         stats = engine.expert_stats[0]
         assert stats.hits > 0 and stats.misses > 0, stats
         (cache,) = engine.runner.stages[0].experts.caches
-        assert (cache.policy.slot >= 0).sum() == round(0.25 * cache.total_experts)
+        assert cache.policy.num_slots == round(0.25 * cache.total_experts)
+        held = int((cache.policy.slot >= 0).sum())  # the rest free, evicted ahead
+        assert cache.policy.num_slots - max(1, cache.policy.num_slots // 8) <= held
         if policy == "lru" and parallel == 1:
             assert stats.upload_bytes > 0  # the cache changed as it went
 
