@@ -2,9 +2,11 @@
 lends free slots to a window and takes back what it filled or left; on a CPU stand-in for
 the device, a layer's prediction copies the next layer's predicted misses into lent slots
 (most predicted first, as many as there are), points their rows there, and the next
-window counts them resident and the prediction's recall, the output unchanged; the copy
-kernel (triton's interpreter) moves host rows into slots by address; whole models give the
-same greedy output with prefetch on and off."""
+window counts them resident and the prediction's recall, the output unchanged; slots lent
+to windows whose counts arrive late all come back; the select and copy kernels (triton's
+interpreter) do what the PyTorch steps do; whole models give the same greedy output with
+prefetch on and off; and `strata calibrate --experts-in-ram on` measures --pcie-frac and
+--expert-prefetch into the profile."""
 
 from __future__ import annotations
 
