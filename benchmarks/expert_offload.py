@@ -30,8 +30,9 @@ Arms: `--caches 25,25:lfu:1:0` is a share of the experts, then optionally a poli
 Columns: decode tok/s per stream and in total; hit rate (distinct experts per window read
 from VRAM, prefetched ones counted as hits); MiB per token over PCIe read by the kernels
 (misses) and uploaded into the cache (prefetches included); upload seconds (admissions'
-side stream) and how long the compute stream waited for them (exposed); the prefetch's recall and the share of its uploads read; and the
-exposed cost: ms per token beyond the "on device" row. `--record` appends the numbers to benchmarks/results.jsonl.
+side stream) and how long the compute stream waited for them (exposed); the prefetch's
+recall and the share of its uploads read; and the exposed cost: ms per token beyond the
+"on device" row. `--record` appends the numbers to benchmarks/results.jsonl.
 """
 
 from __future__ import annotations

@@ -67,14 +67,15 @@ def busy_cell(result: dict | None) -> str:
     in host RAM each stage's expert cache hit rate, MiB uploaded per generated token and
     upload seconds the compute waited for too ('; experts 94% 90%, 1.2 0.8 MiB/token
     uploaded, 0.01 0.00 s exposed')."""
-    fractions = (result or {}).get("stage_busy")
+    result = result or {}
+    fractions = result.get("stage_busy")
     if not fractions:
         return "-"
     *stages, scheduler = fractions
-    hits = (result or {}).get("expert_hits")
+    hits = result.get("expert_hits")
     experts = "; experts " + " ".join(f"{100 * h:.0f}%" for h in hits) if hits else ""
-    uploads, exposed = (result or {}).get("expert_upload"), (result or {}).get("expert_exposed")
-    tokens = sum(r.get("completion_tokens") or 0 for r in (result or {}).get("requests", []))
+    uploads, exposed = result.get("expert_upload"), result.get("expert_exposed")
+    tokens = sum(r.get("completion_tokens") or 0 for r in result.get("requests", []))
     if hits and uploads and tokens:
         experts += (", " + " ".join(f"{b / tokens / 2**20:.1f}" for b in uploads) +
                     " MiB/token uploaded")

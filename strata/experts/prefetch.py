@@ -19,8 +19,8 @@ reads `record` and `predicted` (the counts of predicted experts) with the window
 counts: filled slots become their experts' (readable at once), the rest return free, and
 recall (of the experts a predicted layer used, the share that was predicted) is counted.
 Steps 1-3 are one Triton kernel (prefetch_triton.select) and the copy another: two
-launches on the side stream per layer. On a CPU stage the same steps run at once in PyTorch
-(`select_torch`), the copy as plain tensor copies.
+launches on the side stream per layer. On a CPU stage the same steps run at once in
+PyTorch (`select_torch`), the copy as plain tensor copies.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ class Prefetch:
         self.cache, self.per_layer = cache, per_layer
         layers, experts, device = len(cache.hosts), cache.num_experts, cache.device
         self.capacity = max(1, min(cache.policy.num_slots, per_layer * layers))
-        self.lend = torch.full((1 + self.capacity,), -1, dtype=torch.int64, device=device)
-        self.lend[0] = 0
+        self.lend = torch.empty(1 + self.capacity, dtype=torch.int64, device=device)
+        self._set_lend([])
         self.record = torch.full((layers, 2, per_layer), -1, dtype=torch.int64, device=device)
         self.source = torch.full((layers, per_layer), -1, dtype=torch.int64, device=device)
         self.predicted = torch.zeros(layers, experts, dtype=torch.int32, device=device)
@@ -56,9 +56,13 @@ class Prefetch:
         if self.lent:
             return
         self.lent = self.cache.policy.lend(self.capacity)
+        self._set_lend(self.lent)
+
+    def _set_lend(self, slots: list[int]) -> None:
+        """`lend` on the device: the counter at 0, then `slots`, then -1."""
         values = np.full(1 + self.capacity, -1, dtype=np.int64)
         values[0] = 0
-        values[1:1 + len(self.lent)] = self.lent
+        values[1:1 + len(slots)] = slots
         # NOTE: from pageable memory, staged before the call returns; in stream order
         self.lend.copy_(torch.from_numpy(values), non_blocking=True)
 
@@ -79,8 +83,7 @@ class Prefetch:
         """Forget what windows that were not real did (graph capture): nothing lent."""
         self.record.fill_(-1)
         self.predicted.zero_()
-        self.lend.fill_(-1)
-        self.lend[0] = 0
+        self._set_lend([])
         self.cache.policy.returned(self.lent)
         self.lent = []
 

@@ -143,19 +143,18 @@ class Metrics:
             if not any(values):
                 continue
             seen = self._expert_seen.get(stage, [0.0] * len(values))
-            (hits, misses, read, upload, seconds, exposed, prefetched, prefetch_used,
-             predicted_hits, predicted_reads) = (a - b for a, b in zip(values, seen))
+            d = type(now)(*(a - b for a, b in zip(values, seen)))  # ExpertStats, the delta
             label = str(stage)
-            self.expert_reads.labels(label, "hit").inc(hits)
-            self.expert_reads.labels(label, "miss").inc(misses)
-            self.expert_bytes.labels(label, "read").inc(read)
-            self.expert_bytes.labels(label, "upload").inc(upload)
-            self.expert_upload_seconds.labels(label).inc(seconds)
-            self.expert_exposed_seconds.labels(label).inc(exposed)
-            self.expert_prefetch.labels(label, "uploaded").inc(prefetched)
-            self.expert_prefetch.labels(label, "read").inc(prefetch_used)
-            self.expert_predicted.labels(label, "hit").inc(predicted_hits)
-            self.expert_predicted.labels(label, "read").inc(predicted_reads)
+            self.expert_reads.labels(label, "hit").inc(d.hits)
+            self.expert_reads.labels(label, "miss").inc(d.misses)
+            self.expert_bytes.labels(label, "read").inc(d.read_bytes)
+            self.expert_bytes.labels(label, "upload").inc(d.upload_bytes)
+            self.expert_upload_seconds.labels(label).inc(d.upload_seconds)
+            self.expert_exposed_seconds.labels(label).inc(d.exposed_seconds)
+            self.expert_prefetch.labels(label, "uploaded").inc(d.prefetched)
+            self.expert_prefetch.labels(label, "read").inc(d.prefetch_used)
+            self.expert_predicted.labels(label, "hit").inc(d.predicted_hits)
+            self.expert_predicted.labels(label, "read").inc(d.predicted_reads)
             self._expert_seen[stage] = values
 
     def render(self) -> bytes:
