@@ -91,7 +91,8 @@ def test_gemv_equals_dense_matmul(qtype):
 
 def test_both_split_paths_are_tested():
     """32-value formats above take one split of 4 groups (stored in x's dtype); K-quants
-    several (fp32 partials summed), as does the real tensor."""
+    several (fp32 partials that each row tile's last program adds up), as does the real
+    tensor."""
     assert triton_quant.gemv_splits(ROWS, 4) == 1
     assert triton_quant.gemv_splits(ROWS, 8) == 2 and triton_quant.gemv_splits(ROWS, 16) == 4
     assert triton_quant.gemv_splits(64, 18) == 4
@@ -100,6 +101,25 @@ def test_both_split_paths_are_tested():
     # blocks in 2, K-quants keep their 2 whole; the wide and the real weights split more.
     assert triton_quant.row_splits(ROWS, 4) == 2 and triton_quant.row_splits(ROWS, 2) == 1
     assert triton_quant.row_splits(3, 32) == 16
+
+
+@pytest.mark.parametrize("count", [1, 4, 8])
+def test_split_sums_set_their_counters_back(count):
+    """A split launch's last program per row tile adds the partials up and sets the tile's
+    counter back to 0, so the next launch (a CUDA graph's replay) counts from 0 again:
+    the same y, bit for bit, and every counter 0 after each launch."""
+    blocks = random_blocks("Q4_K", rows=3, seed=11)
+    wide = torch.from_numpy(np.concatenate([blocks] * 4, axis=1))  # 8 blocks a row
+    values = wide.shape[1] // FORMATS["Q4_K"].block_bytes * FORMATS["Q4_K"].block_values
+    assert (triton_quant.row_splits(3, 8) if count <= triton_quant.ROW_TOKENS
+            else triton_quant.gemv_splits(3, values // 64)) > 1
+    x = tokens(count, values, seed=count)
+    counters = triton_quant.tile_counters(x.device)
+    first = triton_quant.gemv(x, wide, "Q4_K")
+    assert not counters.any()
+    assert torch.equal(triton_quant.gemv(x, wide, "Q4_K"), first)
+    assert not counters.any()
+    assert_matches(first, x @ reference(wide.numpy(), "Q4_K").T, 1e-5)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q6_K"])
@@ -149,14 +169,16 @@ def compile_offline(arch: int, qtype: str, count: int | None, dtype=torch.bfloat
                                     BLOCK_N=triton_quant.BLOCK_N), 4
     elif count <= triton_quant.ROW_TOKENS:
         kernel = triton_quant._gemv_rows
-        constants, num_warps = triton_quant.row_constants(count, qtype), 1
+        constants, num_warps = dict(**triton_quant.row_constants(count, qtype), SPLIT=True), 1
     else:
         kernel = triton_quant._gemv
         constants, num_warps = triton_quant.gemv_constants(count, dtype, qtype)
+        constants["SPLIT"] = True  # the split sums' atomics and barrier compile too
 
     def types(name: str) -> str:
         return ("*u8" if name == "blocks_ptr" else
-                "*" + TRITON_TYPES[dtype] if name in ("x_ptr", "out_ptr") else "i32")
+                "*" + TRITON_TYPES[dtype] if name in ("x_ptr", "out_ptr") else
+                "*fp32" if name == "partial_ptr" else "*i32" if name == "count_ptr" else "i32")
 
     return compile_kernel(kernel, arch, constants, types,
                           dict(num_warps=num_warps, num_stages=2))

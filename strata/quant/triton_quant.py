@@ -27,13 +27,15 @@ once for all tokens, with tl.dot (T_PAD >= 16; REDUCE_TOKENS: below it, a broadc
 sum). On the H200 `_gemv_rows` reads Q4_K 3-5x faster than `_gemv` did at one token
 (benchmarks/README.md). The number of
 splits follows the weight's and window's shapes only (enough programs to fill a GPU):
-with one split the program stores y in x's dtype, with more, fp32 partials that one sum
-adds up. `dequantize`: program (i, g) writes group g of row tile i.
+with one split the program stores y in x's dtype; with more, each stores an fp32 partial
+and the last of a row tile's programs to finish adds them up and stores y (one launch,
+no separate sum and cast: `_finish`). `dequantize`: program (i, g) writes group g of row
+tile i.
 
 NOTE: nothing here syncs with the host or allocates by data (a launch can be captured in
 a CUDA graph); tile sizes are fixed (no autotuning: a fresh machine compiles in seconds);
-only long-stable triton.language is used (load/store/dot/trans/sum/where/bitcast casts),
-and the kernels compile for SM86 and SM90 (tests/test_quant_triton.py).
+only long-stable triton.language is used (load/store/dot/trans/sum/where/bitcast casts,
+atomic_add/atomic_xchg and debug_barrier for the split sums), and the kernels compile for SM86 and SM90 (tests/test_quant_triton.py).
 """
 
 # NOTE: no `from __future__ import annotations` here: triton reads the kernels'
@@ -216,11 +218,12 @@ def _accumulate(acc, x_ptr, stride_xt, num_tokens, k0, q, scale, offset,
 
 # NOTE: the window's size changes with every call: not specialised on.
 @triton.jit(do_not_specialize=["num_tokens"])
-def _gemv(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uint8, [S, T, N]
+def _gemv(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uint8, [T, N]
+          partial_ptr, count_ptr,              # fp32 [S, T, N], int32 [tiles]
           num_tokens, num_rows, stride_xt, stride_row, num_groups,
           FORMAT: tl.constexpr, C: tl.constexpr, T_PAD: tl.constexpr,
           BLOCK_N: tl.constexpr, HAS_OFFSET: tl.constexpr, USE_DOT: tl.constexpr,
-          DOT_FP32: tl.constexpr):
+          DOT_FP32: tl.constexpr, SPLIT: tl.constexpr):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -238,9 +241,35 @@ def _gemv(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uint8, [
         acc = _accumulate(acc, x_ptr, stride_xt, num_tokens, k_hi, q_hi, s_hi, o_hi,
                           C, T_PAD, HAS_OFFSET, USE_DOT, DOT_FP32)
     t = tl.arange(0, T_PAD)
-    out = out_ptr + (split * num_tokens + t[:, None]).to(tl.int64) * num_rows + rows[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty),
-             mask=(t < num_tokens)[:, None] & row_ok[None, :])
+    _finish(acc, out_ptr, partial_ptr, count_ptr,
+            t[:, None].to(tl.int64) * num_rows + rows[None, :], num_tokens * num_rows,
+            (t < num_tokens)[:, None] & row_ok[None, :], SPLIT)
+
+
+@triton.jit
+def _finish(acc, out_ptr, partial_ptr, count_ptr, at, split_stride, mask,
+            SPLIT: tl.constexpr):
+    """Store a program's sums `acc` (y's elements `at`) as y in out's dtype. With SPLIT
+    (the row tile's blocks walked by several programs, axis 1) each program stores its
+    fp32 partial and counts itself in at its tile's counter; the last one to arrive adds
+    the partials up in split order (the same bits whichever arrives last), stores y and
+    sets the counter back to 0 for the next launch. NOTE: the barrier puts every thread's
+    partial before the counter's release; the partials are read past L1 (.cg)."""
+    if SPLIT:
+        split = tl.program_id(1)
+        splits = tl.num_programs(1)
+        tl.store(partial_ptr + split * split_stride + at, acc, mask=mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
+        if arrived == splits - 1:
+            total = tl.zeros_like(acc)
+            for s in range(splits):
+                total += tl.load(partial_ptr + s * split_stride + at, mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
+    else:
+        tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -366,11 +395,12 @@ def _block_dot(q_a, s_a, o_a, q_b, s_b, o_b, x_ptr, first, second, C: tl.constex
 
 # NOTE: the window's size is a constexpr here (1..ROW_TOKENS: a few variants).
 @triton.jit
-def _gemv_rows(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uint8, [S, T, N]
+def _gemv_rows(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uint8, [T, N]
+               partial_ptr, count_ptr,              # fp32 [S, T, N], int32 [tiles]
                num_rows, stride_xt, stride_row, num_blocks,
                FORMAT: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
                BLOCK_BYTES: tl.constexpr, BLOCK_VALUES: tl.constexpr, TOKENS: tl.constexpr,
-               T_PAD: tl.constexpr, ROWS: tl.constexpr):
+               T_PAD: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_rows
     row_start = tl.where(row_ok, rows, 0).to(tl.int64) * stride_row
@@ -387,10 +417,9 @@ def _gemv_rows(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uin
             y = _block_dot(q_a, s_a, o_a, q_b, s_b, o_b,
                            x_ptr + token * stride_xt + b * BLOCK_VALUES, first, second, C)
             acc = tl.where(t[:, None] == token, acc + y[None, :], acc)
-    out = out_ptr + (tl.program_id(1) * TOKENS + t[:, None]).to(tl.int64) * num_rows \
-        + rows[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty),
-             mask=(t < TOKENS)[:, None] & row_ok[None, :])
+    _finish(acc, out_ptr, partial_ptr, count_ptr,
+            t[:, None].to(tl.int64) * num_rows + rows[None, :], TOKENS * num_rows,
+            (t < TOKENS)[:, None] & row_ok[None, :], SPLIT)
 
 
 def check_blocks(blocks: torch.Tensor, qtype: str, name: str | None = None,
@@ -460,23 +489,42 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     groups = values // GROUPS[qtype][0]
     splits = gemv_splits(rows, groups)
     constants, num_warps = gemv_constants(tokens, x.dtype, qtype, x.device.type)
-    return _split_sums(x, rows, splits, lambda partial: _gemv[(triton.cdiv(rows, BLOCK_N),
-                                                               splits)](
-        x, blocks, partial, tokens, rows, x.stride(0), blocks.stride(0), groups,
-        **constants, num_warps=num_warps, num_stages=2))
+    return _split_sums(x, rows, triton.cdiv(rows, BLOCK_N), splits,
+                       lambda out, partial, counts: _gemv[(triton.cdiv(rows, BLOCK_N), splits)](
+        x, blocks, out, partial, counts, tokens, rows, x.stride(0), blocks.stride(0), groups,
+        **constants, SPLIT=splits > 1, num_warps=num_warps, num_stages=2))
 
 
-def _split_sums(x: torch.Tensor, rows: int, splits: int, launch) -> torch.Tensor:
-    """y [T, rows] in x's dtype from `launch(partial)`, a kernel that writes y itself (one
-    split) or fp32 partials [splits, T, rows], summed here."""
+MAX_SPLIT_TILES = 4096  # row tiles a split launch may have (each split kernel's limit is lower)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device) -> torch.Tensor:
+    """The device's int32 counters of a split launch's row tiles, zero between launches
+    (each launch's last program per tile sets its counter back). Kept for the process's
+    life: CUDA graphs hold their address. NOTE: one set per device, so split launches on
+    one device must not run at once on two streams (they don't: a stage's kernels run on
+    its stream; the expert prefetch's side stream launches no gemv)."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        counters = _COUNTERS[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32,
+                                                   device=device)
+    return counters
+
+
+def _split_sums(x: torch.Tensor, rows: int, tiles: int, splits: int, launch) -> torch.Tensor:
+    """y [T, rows] in x's dtype from `launch(out, partial, counts)`: a kernel that writes
+    y itself (one split), or whose `splits` programs per row tile write fp32 partials
+    [splits, T, rows] that the tile's last one adds up into y (_finish)."""
     out = torch.empty(x.shape[0], rows, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    partial = out if splits == 1 else torch.empty(splits, x.shape[0], rows,
-                                                  dtype=torch.float32, device=x.device)
-    launch(partial)
-    if splits > 1:
-        out.copy_(partial.sum(dim=0))
+    if splits == 1:
+        launch(out, out, out)  # the partial and counter pointers go unused
+        return out
+    assert tiles <= MAX_SPLIT_TILES, (tiles, splits)
+    launch(out, torch.empty(splits, x.shape[0], rows, dtype=torch.float32, device=x.device),
+           tile_counters(x.device))
     return out
 
 
@@ -505,10 +553,11 @@ def _gemv_by_rows(x: torch.Tensor, blocks: torch.Tensor, qtype: str, rows: int,
                   values: int) -> torch.Tensor:
     num_blocks = values // FORMATS[qtype].block_values
     splits = row_splits(rows, num_blocks)
-    return _split_sums(x, rows, splits, lambda partial: _gemv_rows[(
-        triton.cdiv(rows, ROW_BLOCK), splits)](
-        x, blocks, partial, rows, x.stride(0), blocks.stride(0), num_blocks,
-        **row_constants(x.shape[0], qtype), num_warps=1))
+    tiles = triton.cdiv(rows, ROW_BLOCK)
+    return _split_sums(x, rows, tiles, splits, lambda out, partial, counts: _gemv_rows[(
+        tiles, splits)](
+        x, blocks, out, partial, counts, rows, x.stride(0), blocks.stride(0), num_blocks,
+        **row_constants(x.shape[0], qtype), SPLIT=splits > 1, num_warps=1))
 
 
 def dequantize(blocks: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
