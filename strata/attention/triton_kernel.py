@@ -206,3 +206,34 @@ def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             split_acc, split_ml, out, out.stride(0), out.stride(1), tokens, heads,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=1)
     return out
+
+
+@triton.jit
+def _write_kv(k_ptr, v_ptr, key_ptr, value_ptr, slot_ptr,
+              stride_kt, stride_kh, stride_vt, stride_vh,
+              HD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    """Program t writes token t's keys and values [Hkv, D] to cache row slot_mapping[t]."""
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    ok = i < HD
+    head, d = i // D, i % D
+    row = tl.load(slot_ptr + t).to(tl.int64) * HD
+    k = tl.load(k_ptr + t * stride_kt + head * stride_kh + d, mask=ok)
+    v = tl.load(v_ptr + t * stride_vt + head * stride_vh + d, mask=ok)
+    tl.store(key_ptr + row + i, k, mask=ok)
+    tl.store(value_ptr + row + i, v, mask=ok)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """key[slot_mapping[t]] = k[t] and value[slot_mapping[t]] = v[t] for k, v [T, Hkv, D]
+    (any strides but a head's dims contiguous) and the cache tensors [rows, Hkv, D] of the
+    same dtype: both in one launch, where two index copies take two."""
+    tokens, heads, d = k.shape
+    if tokens == 0:
+        return
+    assert k.stride(-1) == v.stride(-1) == 1 and key.is_contiguous() and value.is_contiguous()
+    assert k.dtype == v.dtype == key.dtype == value.dtype
+    _write_kv[(tokens,)](k, v, key, value, slot_mapping, k.stride(0), k.stride(1),
+                         v.stride(0), v.stride(1), HD=heads * d, D=d,
+                         BLOCK=triton.next_power_of_2(heads * d), num_warps=1)

@@ -1,6 +1,6 @@
 """The `triton` attention backend: paged attention on CUDA, straight from the block cache.
 
-`forward` writes the window's keys and values to their cache rows (an index copy), then
+`forward` writes the window's keys and values to their cache rows (one small kernel), then
 one Triton kernel (triton_kernel.py) attends: each query tile reads only its own entry's
 keys, up to its largest position, through the entry's block table. Cost grows with each
 entry's own context; nothing is gathered or padded to the window's longest context.
@@ -65,8 +65,10 @@ class TritonBackend:
     name = "triton"
     capturable = True  # static metadata shapes, no host sync: CUDA graphs may capture it
 
-    def __init__(self, kernel: Callable[..., torch.Tensor]):
+    def __init__(self, kernel: Callable[..., torch.Tensor],
+                 write: Callable[..., None] | None = None):
         self.kernel = kernel  # triton_kernel.paged_attention
+        self.write = write    # triton_kernel.write_kv (None: two index copies)
 
     def prepare(self, batch: AttentionBatch, device: torch.device) -> TritonMeta:
         check_device(torch.device(device).type)
@@ -91,8 +93,12 @@ class TritonBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cache: PagedKVCache, meta: TritonMeta,
                 scale: float | None = None) -> torch.Tensor:
-        cache.key.index_copy_(0, meta.slot_mapping, k.to(cache.key.dtype))
-        cache.value.index_copy_(0, meta.slot_mapping, v.to(cache.value.dtype))
+        if (self.write is not None and k.stride(-1) == v.stride(-1) == 1
+                and k.dtype == v.dtype == cache.key.dtype):  # else a cast first: PyTorch's
+            self.write(k, v, cache.key, cache.value, meta.slot_mapping)
+        else:
+            cache.key.index_copy_(0, meta.slot_mapping, k.to(cache.key.dtype))
+            cache.value.index_copy_(0, meta.slot_mapping, v.to(cache.value.dtype))
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return self.kernel(q if q.stride(-1) == 1 else q.contiguous(), cache.key, cache.value,
                            meta.positions, meta.block_tables, meta.tile_entry,
@@ -119,7 +125,7 @@ def make_triton_backend() -> TritonBackend:
     from strata.attention import triton_kernel
 
     assert triton_kernel.BLOCK_M == TILE_TOKENS, "the tile map and the kernel disagree"
-    return TritonBackend(triton_kernel.paged_attention)
+    return TritonBackend(triton_kernel.paged_attention, triton_kernel.write_kv)
 
 
 register_backend(TritonBackend.name, make_triton_backend)

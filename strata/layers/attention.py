@@ -49,9 +49,8 @@ class Attention(nn.Module):
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k, meta.positions)
+        q, k = self.rotary.norm_rotate(q, k, meta.positions, getattr(self, "q_norm", None),
+                                       getattr(self, "k_norm", None))
         out = meta.attend(q, k, v, cache)                       # [T, H, D]
         out = out.reshape(tokens, self.num_heads * self.head_dim)
         if gate is not None:

@@ -17,6 +17,8 @@ from torch import nn
 
 from strata.errors import StrataError
 from strata.layers.fused import rotate, rotate_half
+from strata.layers.norm import RMSNorm
+from strata.quant import triton_available
 
 
 def rope_kind(scaling: dict[str, Any] | None) -> str:
@@ -87,6 +89,10 @@ def _yarn(dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor
 
 
 class RotaryEmbedding(nn.Module):
+    # "torch" (fused.py's functions), "triton" (rotary_triton.py: norms and rotation in one
+    # kernel) or "auto": triton for CUDA tensors where triton is installed.
+    path = "auto"
+
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: dict[str, Any] | None = None, *, interleaved: bool = False):
         super().__init__()
@@ -127,6 +133,30 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def norm_rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                    q_norm: nn.Module | None = None,
+                    k_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k each RMSNormed per head by `q_norm` and `k_norm` (Qwen3's, when the
+        layer has them), then rotated: one Triton kernel on that path, where the common
+        case allows (plain RMSNorm, the table rotating whole heads)."""
+        norms = (q_norm, k_norm) if q_norm is not None else None
+        if self._triton(q) and not self.interleaved and (
+                norms is None or all(type(n) is RMSNorm and n.eps == q_norm.eps for n in norms)):
+            from strata.layers import rotary_triton
+
+            weights = None if norms is None else (q_norm.weight, k_norm.weight)
+            if rotary_triton.takes(q, k, self.cos, weights):
+                return rotary_triton.norm_rotate(q, k, self.cos, self.sin, positions, weights,
+                                                 q_norm.eps if norms else 0.0)
+        if norms is not None:
+            q, k = q_norm(q), k_norm(k)
+        return self(q, k, positions)
+
+    def _triton(self, x: torch.Tensor) -> bool:
+        if self.path != "auto":
+            return self.path == "triton"
+        return x.is_cuda and triton_available()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] > self.head_dim:  # partial rotary
