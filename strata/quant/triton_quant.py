@@ -35,7 +35,8 @@ tile i.
 NOTE: nothing here syncs with the host or allocates by data (a launch can be captured in
 a CUDA graph); tile sizes are fixed (no autotuning: a fresh machine compiles in seconds);
 only long-stable triton.language is used (load/store/dot/trans/sum/where/bitcast casts,
-atomic_add/atomic_xchg and debug_barrier for the split sums), and the kernels compile for SM86 and SM90 (tests/test_quant_triton.py).
+atomic_add/atomic_xchg and debug_barrier for the split sums), and the kernels compile for
+SM86 and SM90 (tests/test_quant_triton.py).
 """
 
 # NOTE: no `from __future__ import annotations` here: triton reads the kernels'
@@ -507,6 +508,10 @@ def tile_counters(device: torch.device) -> torch.Tensor:
     its stream; the expert prefetch's side stream launches no gemv)."""
     counters = _COUNTERS.get(device)
     if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # made inside a capture they would be the graph's memory, zeroed only by it
+            raise RuntimeError("a split gemv's first call was inside a CUDA graph capture; "
+                               "run the forward once before capturing it")
         counters = _COUNTERS[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32,
                                                    device=device)
     return counters
