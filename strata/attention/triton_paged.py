@@ -65,10 +65,9 @@ class TritonBackend:
     name = "triton"
     capturable = True  # static metadata shapes, no host sync: CUDA graphs may capture it
 
-    def __init__(self, kernel: Callable[..., torch.Tensor],
-                 write: Callable[..., None] | None = None):
+    def __init__(self, kernel: Callable[..., torch.Tensor], write: Callable[..., None]):
         self.kernel = kernel  # triton_kernel.paged_attention
-        self.write = write    # triton_kernel.write_kv (None: two index copies)
+        self.write = write    # triton_kernel.write_kv
 
     def prepare(self, batch: AttentionBatch, device: torch.device) -> TritonMeta:
         check_device(torch.device(device).type)
@@ -93,10 +92,9 @@ class TritonBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cache: PagedKVCache, meta: TritonMeta,
                 scale: float | None = None) -> torch.Tensor:
-        if (self.write is not None and k.stride(-1) == v.stride(-1) == 1
-                and k.dtype == v.dtype == cache.key.dtype):  # else a cast first: PyTorch's
+        if k.stride(-1) == v.stride(-1) == 1 and k.dtype == v.dtype == cache.key.dtype:
             self.write(k, v, cache.key, cache.value, meta.slot_mapping)
-        else:
+        else:  # a cast first: PyTorch's
             cache.key.index_copy_(0, meta.slot_mapping, k.to(cache.key.dtype))
             cache.value.index_copy_(0, meta.slot_mapping, v.to(cache.value.dtype))
         scale = q.shape[-1] ** -0.5 if scale is None else scale

@@ -490,8 +490,9 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     groups = values // GROUPS[qtype][0]
     splits = gemv_splits(rows, groups)
     constants, num_warps = gemv_constants(tokens, x.dtype, qtype, x.device.type)
-    return _split_sums(x, rows, triton.cdiv(rows, BLOCK_N), splits,
-                       lambda out, partial, counts: _gemv[(triton.cdiv(rows, BLOCK_N), splits)](
+    tiles = triton.cdiv(rows, BLOCK_N)
+    return _split_sums(x, rows, tiles, splits, lambda out, partial, counts: _gemv[(
+        tiles, splits)](
         x, blocks, out, partial, counts, tokens, rows, x.stride(0), blocks.stride(0), groups,
         **constants, SPLIT=splits > 1, num_warps=num_warps, num_stages=2))
 
