@@ -251,18 +251,81 @@ def test_sparse_moe_routes_by_the_triton_kernel_as_by_torch():
     assert_matches(layer(x), ref)
 
 
+def dense_router(hidden: int, num_experts: int, dtype, bias: bool = False, seed: int = 14):
+    """A router Linear of random weights (a bias makes route_window compute its logits
+    with the Linear's own forward first)."""
+    from strata.layers.linear import Linear, ParamSpec
+    gate = Linear(hidden, num_experts, bias, ParamSpec())
+    return randomized(gate, seed).to(dtype)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("tokens,num_experts,top_k", [(1, 128, 8), (5, 60, 4), (32, 512, 10),
+                                                      (3, 8, 8)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_route_window_routes_and_groups_as_the_separate_launches(tokens, num_experts,
+                                                                   top_k, bias):
+    """route_triton's one launch (the router's logits by its programs, the last one's
+    top-k and grouping) equals the router's matmul, `softmax_top_k` and `_route` (fp32:
+    the same experts; weights to float tolerance), with the router in the kernel or, with
+    a bias, its logits given; and the counter it takes is 0 again after it."""
+    from strata.layers import route_triton
+    from strata.quant.triton_quant import tile_counters
+
+    gate = dense_router(64, num_experts, torch.float32, bias)
+    x = window(tokens, 64, seed=tokens) * 3
+    weights, experts, route = route_triton.route_window(x, gate, top_k, renormalise=True)
+    want_weights, want_experts = route_triton.softmax_top_k(gate(x), top_k, True,
+                                                            torch.float32)
+    assert torch.equal(experts, want_experts)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+    for got, want in zip(route, moe_triton._route(want_experts, num_experts)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert not tile_counters(x.device).any()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 4, 9])
+def test_sparse_moe_routes_small_windows_in_one_launch(tokens, dtype, monkeypatch):
+    """A SparseMoE layer whose router and experts take the kernels (as on CUDA) equals
+    the reference layer (torch routing, grouped experts): windows of up to WINDOW_TOKENS
+    tokens through `route_window` and the fused experts given its grouping, longer ones
+    through `softmax_top_k` and the fused experts' own grouping."""
+    from strata.layers import route_triton
+
+    layer = randomized(SparseMoE(64, 48, 16, 4, True, LinearFactory()), seed=15).to(dtype)
+    reference(layer.experts)
+    x = window(tokens, 64, dtype, seed=16)
+    ref = layer(x)
+    layer.router, layer.experts.path = "triton", "fused"
+    original, calls = route_triton.route_window, []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(route_triton, "route_window", counted)
+    assert_matches(layer(x), ref)
+    assert len(calls) == (tokens <= route_triton.WINDOW_TOKENS)
+
+
 def test_the_host_code_never_syncs():
     """No host reads or data-sized results in the launcher (a CUDA graph could not
     capture them): none of these calls appears anywhere in the module."""
     banned = {"item", "tolist", "nonzero", "unique", "bincount", "cpu", "numpy",
               "masked_select", "repeat_interleave", "synchronize"}
+    from strata.layers import route_triton
+
+    for module in (moe_triton, route_triton):
+        tree = ast.parse(inspect.getsource(module))
+        called = {node.func.attr if isinstance(node.func, ast.Attribute) else
+                  getattr(node.func, "id", None) for node in ast.walk(tree)
+                  if isinstance(node, ast.Call)}
+        assert not called & banned, module.__name__
     tree = ast.parse(inspect.getsource(moe_triton))
-    called = {node.func.attr if isinstance(node.func, ast.Attribute) else
-              getattr(node.func, "id", None) for node in ast.walk(tree)
-              if isinstance(node, ast.Call)}
     assert "_route_pairs" in {getattr(n.value, "id", None) for n in ast.walk(tree)
                               if isinstance(n, ast.Subscript)}  # the grouping: one launch
-    assert not called & banned
 
 
 def compile_offline(arch: int, tokens: int, dtype, hidden: int = 2048, inter: int = 768):
@@ -301,26 +364,34 @@ def compile_route(arch: int, pairs: int = 320, experts: int = 512):
 
 def compile_small(arch: int, experts: int = 512, top_k: int = 10):
     """route_triton's `_softmax_top_k` (bf16 logits of `experts` experts, top-k) and
-    `_combine` (top-k rows of 2048 columns), compiled for compute capability `arch`."""
+    `_route_window` (a dense bf16 router of 2048 columns, a 1-token and a 32-token window),
+    compiled for compute capability `arch`."""
+    import triton
+
     from strata.layers import route_triton
 
     def router(name: str) -> str:
         return {"logits_ptr": "*bf16", "weights_ptr": "*bf16", "experts_ptr": "*i64"}.get(
             name, "i32")
 
-    def combine(name: str) -> str:
-        return {"out_ptr": "*fp32", "y_ptr": "*bf16"}.get(name, "i32")
+    def window(name: str) -> str:
+        return {"x_ptr": "*bf16", "router_ptr": "*bf16", "logits_ptr": "*fp32",
+                "weights_ptr": "*bf16", "experts_ptr": "*i64", "order_ptr": "*i64",
+                "listed_ptr": "*i64"}.get(name, "*i32" if name.endswith("_ptr") else "i32")
 
     options = dict(num_warps=4)
+    sizes = route_triton._sizes(experts, top_k)
     return [compile_kernel(route_triton._softmax_top_k, arch,
-                           dict(TOP_K=top_k, BLOCK_E=experts, BLOCK_K=16, RENORMALISE=True),
-                           router, options),
-            compile_kernel(moe_triton._combine, arch,
-                           dict(TOP_K=top_k, BLOCK_H=moe_triton.COMBINE_BLOCK), combine,
-                           options)]
+                           sizes | dict(RENORMALISE=True), router, options)] + [
+        compile_kernel(route_triton._route_window, arch,
+                       sizes | dict(ROUTER=True, T_PAD=tokens, BLOCK_H=min(
+                           2048, route_triton.ROUTER_VALUES // tokens), RENORMALISE=True,
+                           PAIRS=triton.next_power_of_2(tokens * top_k),
+                           CHUNK=moe_triton.ROUTE_CHUNK), window, options)
+        for tokens in (1, 32)]
 
 
-COMPILED = [("bfloat16", 1), ("bfloat16", 32), ("float32", 32)]
+COMPILED = [("bfloat16", 1), ("bfloat16", 32), ("float32", 1), ("float32", 32)]
 
 
 def test_the_kernels_compile_for_rtx3090_and_h200(tmp_path):
@@ -336,7 +407,7 @@ def test_the_kernels_compile_for_rtx3090_and_h200(tmp_path):
             "    print(compile_route(arch).metadata.shared)\n"
             "    print(*[k.metadata.shared for k in compile_small(arch)])")
     shared = offline_compiled(code, tmp_path)
-    assert len(shared) == 2 * (2 * len(COMPILED) + 3)
+    assert len(shared) == 2 * (2 * len(COMPILED) + 4)
     assert max(shared) <= SM86_SHARED
 
 

@@ -122,6 +122,21 @@ def test_mixed_formats_equal_the_reference(qtypes, tokens, dtype):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_pairs_grouped_by_the_router_give_the_same_bits(tokens):
+    """Given the pairs grouped already (`route`, as route_triton's route_window writes
+    them), the row kernels (1 token) and the tl.dot ones (5) give what they give when
+    they group the pairs themselves."""
+    gate, up, down = quantized_experts(("Q4_K", "Q4_K", "Q6_K"), 8, 256, 256)
+    x = window(tokens, 256, seed=tokens)
+    experts, weights = routing(tokens, 3, 8, seed=tokens + 1)
+    route = moe_triton._route(experts, 8)
+    assert torch.equal(fused_experts_quantized(x, experts, weights, gate, up, down,
+                                               route=route),
+                       fused_experts_quantized(x, experts, weights, gate, up, down))
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_512_experts_at_top_k_10(dtype):
     gate, up, down = quantized_experts(("Q8_0", "Q4_1", "Q4_0"), 512, 32, 32, seed=3)

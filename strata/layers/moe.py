@@ -1,8 +1,9 @@
 """Mixture-of-experts feed-forward: top-k routing and a grouped expert computation.
 
-Two routers: softmax top-k (SparseMoE, qwen3_moe; one Triton kernel on CUDA:
-route_triton.py) and DeepSeek-V3's sigmoid scores with a selection bias and group-limited
-top-k (GroupedTopKRouter, used with always-on shared experts by SharedExpertMoE).
+Two routers: softmax top-k (SparseMoE, qwen3_moe; on CUDA Triton kernels, route_triton.py,
+which for the fused experts' windows also group the pairs, all in one launch) and
+DeepSeek-V3's sigmoid scores with a selection bias and group-limited top-k
+(GroupedTopKRouter, used with always-on shared experts by SharedExpertMoE).
 Token-expert pairs are sorted by expert so that each expert multiplies one contiguous
 slice of rows (a grouped matrix product); the loop, where there is one, runs over
 experts, never over tokens. Decode and verify windows on CUDA take the
@@ -40,11 +41,17 @@ class SparseMoE(nn.Module):
     router = "auto"  # "torch", "triton" (route_triton.py) or "auto": triton on CUDA
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        logits = self.gate(x)
-        if self._kernel_routes(logits):
-            from strata.layers.route_triton import softmax_top_k
-            weights, experts = softmax_top_k(logits, self.top_k, self.norm_topk_prob, x.dtype)
+        if self._kernel_routes(x):
+            from strata.layers import route_triton
+            if (x.shape[0] <= route_triton.WINDOW_TOKENS
+                    and self.experts.takes_route(x)):  # the router's launch groups the pairs
+                weights, experts, route = route_triton.route_window(
+                    x, self.gate, self.top_k, self.norm_topk_prob)
+                return self.experts(x, experts, weights, route)
+            weights, experts = route_triton.softmax_top_k(self.gate(x), self.top_k,
+                                                          self.norm_topk_prob, x.dtype)
             return self.experts(x, experts, weights)
+        logits = self.gate(x)
         router_probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(router_probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
@@ -56,15 +63,15 @@ class SparseMoE(nn.Module):
         applies it to the previous layer's input)."""
         return torch.topk(self.gate(x), self.top_k, dim=-1).indices
 
-    def _kernel_routes(self, logits: torch.Tensor) -> bool:
-        """route_triton's kernel routes: `router` "triton", or "auto" on CUDA with triton
-        for the expert counts and top-k it takes (else torch routes)."""
+    def _kernel_routes(self, x: torch.Tensor) -> bool:
+        """route_triton's kernels route: `router` "triton", or "auto" on CUDA with triton
+        for the expert counts and top-k they take (else torch routes)."""
         if self.router != "auto":
             return self.router == "triton"
-        if not (logits.is_cuda and triton_available()):
+        if not (x.is_cuda and triton_available()):
             return False
         from strata.layers.route_triton import takes
-        return takes(logits.shape[1], self.top_k)
+        return takes(self.gate.out_features, self.top_k)
 
 
 class GatedSharedMoE(SparseMoE):
@@ -189,14 +196,23 @@ class GroupedExperts(nn.Module):
         """The fused path runs for these weights on `t`'s device (CUDA with triton)."""
         return self.fusable and t.is_cuda and triton_available()
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:
+    def _path(self, x: torch.Tensor) -> str:
+        if self.path != "auto":
+            return self.path
+        return ("fused" if self._fused_runs(x) and x.shape[0] <= FUSED_MAX_TOKENS
+                else "grouped")
+
+    def takes_route(self, x: torch.Tensor) -> bool:
+        """Does this window take its pairs grouped by the router's kernel (route_triton's
+        `route_window`)? The fused path over the layer's own weights (no expert cache)."""
+        return self.offload is None and self._path(x) == "fused"
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                route: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """`route`: the pairs grouped by expert already (where `takes_route`)."""
         if self.offload is not None:
             self.offload.before(x)
-        path = self.path
-        if path == "auto":
-            path = ("fused" if self._fused_runs(x) and x.shape[0] <= FUSED_MAX_TOKENS
-                    else "grouped")
+        path = self._path(x)
         if path == "fused" and self.offload is not None:
             return self.offload.fused(x, experts, weights)
         if path == "fused":
@@ -204,9 +220,10 @@ class GroupedExperts(nn.Module):
             if self.gate_proj.dtype == torch.uint8:
                 return moe_triton.fused_experts_quantized(
                     x, experts, weights, *((w, w.qtype) for w in
-                                           (self.gate_proj, self.up_proj, self.down_proj)))
+                                           (self.gate_proj, self.up_proj, self.down_proj)),
+                    route=route)
             return moe_triton.fused_experts(x, experts, weights, self.gate_proj, self.up_proj,
-                                            self.down_proj)
+                                            self.down_proj, route=route)
         return self.grouped(x, experts, weights)
 
     def grouped(self, x: torch.Tensor, experts: torch.Tensor,

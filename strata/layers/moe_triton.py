@@ -21,14 +21,17 @@ follow, one program per (listed expert, tile of BLOCK_N output columns):
               out [T*k, H] at the pair's own index p.
 
 and y = out.view(T, k, H).sum(1) in x's dtype (`_combine`): each token's k rows added in
-order (no atomics, so the result is deterministic). A decoding window of DeepSeek-V3 (k = 8 of E = 256)
-thus launches 8 programs per column tile, not 256; a program of an expert that no pair
-routes to (padding of the list) runs no step and reads no weight; one of an expert with
-more pairs than BLOCK_T (a token naming an expert twice) walks them BLOCK_T at a time.
-BLOCK_T (16 or 32: tl.dot takes at least 16 rows) follows the window's size, BLOCK_N and
-BLOCK_K the weights' shapes; the tiles are masked, so H and I need not divide them. Sums
-are fp32; g, u and silu(g) are rounded to x's dtype where the reference rounds them (its
-matmuls and silu write x's dtype); the expert outputs are weighted and summed in fp32
+order (no atomics, so the result is deterministic). A router may have grouped the pairs
+already (route_triton's `route_window`: the router's logits, top-k and this grouping in
+one launch); `route` then skips `_route_pairs`. A decoding window of DeepSeek-V3 (k = 8
+of E = 256) thus launches 8 programs per column tile, not 256; a program of an expert
+that no pair routes to (padding of the list) runs no step and reads no weight; one of an
+expert with more pairs than BLOCK_T (a token naming an expert twice) walks them BLOCK_T
+at a time. BLOCK_T (16 or 32: tl.dot takes at least 16 rows) follows the window's size,
+BLOCK_N and BLOCK_K the window's size (narrower, deeper tiles up to SMALL_TOKENS) and the
+weights' shapes; the tiles are masked, so H and I need not divide them. Sums are fp32;
+g, u and silu(g) are rounded to x's dtype where the reference rounds them (its matmuls
+and silu write x's dtype); the expert outputs are weighted and summed in fp32
 before the final cast.
 
 Quantized experts. `fused_experts_quantized` takes each projection as a pair (blocks,
@@ -78,6 +81,9 @@ MAX_TOKENS = 32   # the largest window
 MAX_TOP_K = 10
 BLOCK_N = 64      # output columns per program
 BLOCK_K = 64      # inner-dimension step
+SMALL_TOKENS = 4  # windows of up to this many tokens take narrower, deeper tiles
+SMALL_BLOCK_N = 32  # (H200, the 30B's experts at one token: gate/up 16.5 us instead of
+SMALL_BLOCK_K = 128  # 18.5; at four, down 28.0 instead of 30.4; benchmarks/README.md)
 NUM_WARPS = 4
 NUM_STAGES = 4    # pipelined loads of 16-bit tiles (H200: 73 vs 96 us a 1-token window)
 NUM_STAGES_FP32 = 2  # fp32 tiles are twice the bytes: 2 stages fit SM86's shared memory
@@ -339,16 +345,19 @@ def kernel_constants(tokens: int, hidden: int, inter: int, dtype: torch.dtype,
     """(_gate_up's constexprs, _down's constexprs, launch options) for a window of
     `tokens` tokens of `dtype` and experts of `hidden` x `inter`. A gate/up step reads two
     [BLOCK_K, BLOCK_N] tiles and the tokens' [BLOCK_T, BLOCK_K] (20 KB in bf16 at 32
-    tokens, 40 KB in fp32): within SM86's 99 KB of shared memory at four stages in 16 bits
-    and two in fp32."""
+    tokens, 40 KB in fp32; the same with the 32 x 128 tiles of windows up to SMALL_TOKENS):
+    within SM86's 99 KB of shared memory at four stages in 16 bits and two in fp32."""
     # NOTE: triton's interpreter (CPU tensors) multiplies bf16 tl.dot operands as their
     # raw bits (triton 3.9): there the dot runs in fp32.
     dot_fp32 = dtype == torch.float32 or (dtype == torch.bfloat16 and device_type != "cuda")
     block_t = max(16, triton.next_power_of_2(tokens))
 
+    block_n, block_k = (SMALL_BLOCK_N, SMALL_BLOCK_K) if tokens <= SMALL_TOKENS else (
+        BLOCK_N, BLOCK_K)
+
     def tiles(cols: int, inner: int) -> dict:
-        return dict(BLOCK_T=block_t, BLOCK_N=min(BLOCK_N, max(16, triton.next_power_of_2(cols))),
-                    BLOCK_K=min(BLOCK_K, max(16, triton.next_power_of_2(inner))),
+        return dict(BLOCK_T=block_t, BLOCK_N=min(block_n, max(16, triton.next_power_of_2(cols))),
+                    BLOCK_K=min(block_k, max(16, triton.next_power_of_2(inner))),
                     DOT_FP32=dot_fp32)
 
     stages = NUM_STAGES_FP32 if dtype == torch.float32 else NUM_STAGES
@@ -435,10 +444,20 @@ def _inner_contiguous(w: torch.Tensor) -> torch.Tensor:
 def _route_pairs(experts_ptr, counts_ptr, starts_ptr, order_ptr, listed_ptr,
                  num_pairs, num_experts, num_listed,
                  PAIRS: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr):
-    """One program: the pairs' experts [num_pairs] -> counts, starts [E] int32, order
-    [num_pairs] int64 (pair ids by (expert, pair id)), listed [num_listed] int64 (routed
-    experts by id, then unrouted ones by id). PAIRS and EXPERTS are powers of two at
-    least num_pairs and num_experts; padding pairs carry expert EXPERTS (none)."""
+    """One program: `_group_pairs`."""
+    _group_pairs(experts_ptr, counts_ptr, starts_ptr, order_ptr, listed_ptr, num_pairs,
+                 num_experts, num_listed, PAIRS, EXPERTS, CHUNK)
+
+
+@triton.jit
+def _group_pairs(experts_ptr, counts_ptr, starts_ptr, order_ptr, listed_ptr,
+                 num_pairs, num_experts, num_listed,
+                 PAIRS: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr):
+    """The pairs' experts [num_pairs] -> counts, starts [E] int32, order [num_pairs] int64
+    (pair ids by (expert, pair id)), listed [num_listed] int64 (routed experts by id, then
+    unrouted ones by id), by one program (`_route_pairs`, or route_triton's router after
+    it chose the experts). PAIRS and EXPERTS are powers of two at least num_pairs and
+    num_experts; padding pairs carry expert EXPERTS (none)."""
     q = tl.arange(0, PAIRS)
     q_ok = q < num_pairs
     eq = tl.load(experts_ptr + q, mask=q_ok, other=EXPERTS).to(tl.int32)
@@ -505,8 +524,8 @@ def _route(experts: torch.Tensor, num_experts: int):
 
 def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                   gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
-                  rows: torch.Tensor | None = None,
-                  usage: torch.Tensor | None = None) -> torch.Tensor:
+                  rows: torch.Tensor | None = None, usage: torch.Tensor | None = None,
+                  route: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, j], for
     x [T, H] (1 <= T <= 32; float32, bfloat16 or float16), experts [T, k] (int64 or
     int32 ids in 0..E-1, 1 <= k <= 10), weights [T, k] (any float dtype), gate_proj and
@@ -515,7 +534,8 @@ def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
     projections are a cache's slots and expert e's weights are their row rows[e], which
     may lie outside them (an expert kept in host memory: the row's address, relative to
     each projection's first row, is where its bytes are); `usage` (int32 [E]) then gains
-    each expert's pair count."""
+    each expert's pair count. `route`: the pairs already grouped (`_route`'s four
+    tensors, as route_triton's `route_window` writes them with the experts)."""
     _check(x, experts, weights, gate_proj, up_proj, down_proj)
     tokens, hidden = x.shape
     top_k = experts.shape[1]
@@ -524,7 +544,7 @@ def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
     pairs = tokens * top_k
     x = x.contiguous()
     gate_proj, up_proj, down_proj = map(_inner_contiguous, (gate_proj, up_proj, down_proj))
-    counts, starts, order, listed = _route(experts, num_experts)
+    counts, starts, order, listed = route or _route(experts, num_experts)
     cached = _note_usage(rows, usage, counts)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
@@ -602,14 +622,16 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: tor
                             gate: tuple[torch.Tensor, str], up: tuple[torch.Tensor, str],
                             down: tuple[torch.Tensor, str],
                             rows: torch.Tensor | None = None,
-                            usage: torch.Tensor | None = None) -> torch.Tensor:
+                            usage: torch.Tensor | None = None,
+                            route: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """`fused_experts` with quantized experts: gate, up and down each a pair (blocks,
     qtype) of a format of strata/quant/formats.py (each its own), gate and up blocks
     uint8 [E, I, row bytes of H], down blocks uint8 [E, H, row bytes of I], as the GGUF
     file stores them -> [T, H] in x's dtype: what `GroupedExperts.forward` computes with
     the experts dequantized, without a host sync. H and I must be whole blocks of their
-    formats (multiples of 256 for the K-quants, 32 for Q8_0 and Q4_x). `rows` and
-    `usage` are `fused_experts`' (a cache's slots, experts kept in host memory)."""
+    formats (multiples of 256 for the K-quants, 32 for Q8_0 and Q4_x). `rows`, `usage`
+    and `route` are `fused_experts`' (a cache's slots, experts kept in host memory; the
+    pairs already grouped)."""
     caller = "fused_experts_quantized"
     _check_window(x, experts, weights, caller)
     tokens, hidden = x.shape
@@ -632,8 +654,8 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: tor
 
     pairs = tokens * top_k
     x = x.contiguous()
-    counts, starts, order, listed = _route(experts, len(rows) if rows is not None
-                                           else num_experts)
+    counts, starts, order, listed = route or _route(
+        experts, len(rows) if rows is not None else num_experts)
     cached = _note_usage(rows, usage, counts)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)

@@ -1,12 +1,26 @@
-"""Softmax top-k routing (SparseMoE's router after its logits) as one Triton kernel: a
-program per token loads the token's router logits, takes their softmax in float32, picks
-the k largest probabilities in descending order (the first index among equal ones), divides
-them by their sum where the model renormalises, and writes the experts (int64) and the
-weights rounded to the activations' dtype — what `softmax`, `topk`, the division and the
-cast cost five launches for (about 12 us a layer on the H200 for one token, most of it
-torch.topk's sort; benchmarks/README.md). Up to 1024 experts and top-16.
+"""Softmax top-k routing (SparseMoE's router) as Triton kernels.
 
-NOTE: no host sync and shapes that follow (T, E, k) only: captured in CUDA graphs.
+`softmax_top_k`: after the router's logits, a program per token loads the token's logits,
+takes their softmax in float32, picks the k largest probabilities in descending order (the
+first index among equal ones), divides them by their sum where the model renormalises, and
+writes the experts (int64) and the weights rounded to the activations' dtype — what
+`softmax`, `topk`, the division and the cast cost five launches for (about 12 us a layer
+on the H200 for one token, most of it torch.topk's sort; benchmarks/README.md). Up to 1024
+experts and top-16. Prompt chunks and windows of the grouped path take it.
+
+`route_window`: a decode or verify window (up to moe_triton's MAX_TOKENS tokens) bound for
+the fused experts, in one launch instead of three (the router's matmul, the top-k above
+and moe_triton's grouping of the pairs by expert: 11.4 us a layer on the H200 for one
+token of the 30B's shape). Program e computes the router's logit of expert e for every
+token (fp32 sums rounded to x's dtype, as the matmul writes them) into a scratch row, and
+counts itself in at an int32 counter; the last program to arrive takes the window's
+softmax top-k for all its tokens at once (the same arithmetic as `softmax_top_k`), writes
+experts and weights, and groups the pairs (moe_triton's `_group_pairs`) for the fused
+kernels. A router kept quantized (or with a bias, or in another dtype than x) computes its
+logits first; then the launch is that last program alone.
+
+NOTE: no host sync and shapes that follow (T, E, k) only: captured in CUDA graphs. The
+counter is triton_quant's (zero between launches: the last program sets it back).
 """
 
 # NOTE: no `from __future__ import annotations` here: triton reads the kernels'
@@ -15,40 +29,107 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.layers.moe_triton import _rounded
+from strata.layers import moe_triton
+from strata.layers.moe_triton import _group_pairs, _rounded
+from strata.quant.triton_quant import tile_counters
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 16
+WINDOW_TOKENS = 4  # SparseMoE's windows of up to this many tokens take `route_window`
+ROUTER_VALUES = 4096  # router weights x tokens a program multiplies per step
+
+
+@triton.jit
+def _top_k(logits, t, t_ok, e, weights_ptr, experts_ptr, TOP_K: tl.constexpr,
+           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALISE: tl.constexpr):
+    """Rows `t` of logits [T_PAD, BLOCK_E] (fp32; -inf past the experts; rows `t_ok` are
+    tokens) -> each token's k most probable experts (int64, descending) and their
+    probabilities (renormalised where asked) in weights' dtype, at row t * TOP_K."""
+    logits = tl.where(t_ok[:, None], logits, 0.0)             # padding rows: no NaN
+    probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = probs / tl.sum(probs, axis=1)[:, None]            # 0 past num_experts
+    j = tl.arange(0, BLOCK_K)
+    chosen = tl.zeros([logits.shape[0], BLOCK_K], dtype=tl.float32)
+    for rank in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=1)
+        expert = tl.min(tl.where(probs == best[:, None], e[None, :], BLOCK_E), axis=1)
+        tl.store(experts_ptr + t * TOP_K + rank, expert.to(tl.int64), mask=t_ok)
+        chosen = tl.where(j[None, :] == rank, best[:, None], chosen)
+        probs = tl.where(e[None, :] == expert[:, None], -1.0, probs)  # below every one
+    if RENORMALISE:
+        chosen = chosen / tl.sum(chosen, axis=1)[:, None]
+    dtype = weights_ptr.dtype.element_ty
+    tl.store(weights_ptr + t[:, None] * TOP_K + j[None, :], _rounded(chosen, dtype).to(dtype),
+             mask=t_ok[:, None] & (j < TOP_K)[None, :])
 
 
 @triton.jit
 def _softmax_top_k(logits_ptr, weights_ptr, experts_ptr, num_experts, stride_t,
                    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                    RENORMALISE: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
+    t = tl.zeros([1], dtype=tl.int64) + tl.program_id(0)  # the token, as a 1-row tile
     e = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + token * stride_t + e, mask=e < num_experts,
-                     other=-float("inf")).to(tl.float32)
-    probs = tl.exp(logits - tl.max(logits, axis=0))
-    probs = probs / tl.sum(probs, axis=0)                    # 0 past num_experts
-    j = tl.arange(0, BLOCK_K)
-    chosen = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for rank in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=0)
-        expert = tl.min(tl.where(probs == best, e, BLOCK_E), axis=0)
-        tl.store(experts_ptr + token * TOP_K + rank, expert.to(tl.int64))
-        chosen = tl.where(j == rank, best, chosen)
-        probs = tl.where(e == expert, -1.0, probs)           # below every probability
-    if RENORMALISE:
-        chosen = chosen / tl.sum(chosen, axis=0)
-    dtype = weights_ptr.dtype.element_ty
-    tl.store(weights_ptr + token * TOP_K + j, _rounded(chosen, dtype).to(dtype),
-             mask=j < TOP_K)
+    logits = tl.load(logits_ptr + t[:, None] * stride_t + e[None, :],
+                     mask=(e < num_experts)[None, :], other=-float("inf")).to(tl.float32)
+    _top_k(logits, t, t >= 0, e, weights_ptr, experts_ptr, TOP_K, BLOCK_E, BLOCK_K,
+           RENORMALISE)
+
+
+@triton.jit
+def _route_window(x_ptr, router_ptr, logits_ptr, weights_ptr, experts_ptr,
+                  counts_ptr, starts_ptr, order_ptr, listed_ptr, arrived_ptr,
+                  num_tokens, hidden, num_experts, num_listed, stride_xt, stride_re,
+                  stride_lt,
+                  ROUTER: tl.constexpr, T_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  RENORMALISE: tl.constexpr, PAIRS: tl.constexpr, CHUNK: tl.constexpr):
+    t = tl.arange(0, T_PAD)
+    t_ok = t < num_tokens
+    if ROUTER:  # program e: expert e's logit for every token, then count in
+        expert = tl.program_id(0)
+        row = router_ptr + expert.to(tl.int64) * stride_re
+        acc = tl.zeros([T_PAD], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_H):
+            k = k0 + tl.arange(0, BLOCK_H)
+            k_ok = k < hidden
+            w = tl.load(row + k, mask=k_ok, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_xt + k[None, :],
+                        mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(x * w[None, :], axis=1)
+        logit = _rounded(acc, x_ptr.dtype.element_ty)  # as the matmul writes them
+        tl.store(logits_ptr + t * stride_lt + expert, logit, mask=t_ok)
+        tl.debug_barrier()
+        last = tl.atomic_add(arrived_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1
+    else:
+        last = tl.program_id(0) == 0
+    if last:
+        e = tl.arange(0, BLOCK_E)
+        logits = tl.load(logits_ptr + t[:, None] * stride_lt + e[None, :],
+                         mask=t_ok[:, None] & (e < num_experts)[None, :],
+                         other=-float("inf"), cache_modifier=".cg").to(tl.float32)
+        _top_k(logits, t, t_ok, e, weights_ptr, experts_ptr, TOP_K, BLOCK_E, BLOCK_K,
+               RENORMALISE)
+        if ROUTER:
+            tl.atomic_xchg(arrived_ptr, 0)
+        tl.debug_barrier()  # the experts written, by all of this program's threads
+        _group_pairs(experts_ptr, counts_ptr, starts_ptr, order_ptr, listed_ptr,
+                     num_tokens * TOP_K, num_experts, num_listed, PAIRS, BLOCK_E, CHUNK)
 
 
 def takes(num_experts: int, top_k: int) -> bool:
-    """Does the kernel route top-k of this many experts?"""
+    """Do the kernels route top-k of this many experts?"""
     return 1 <= top_k <= min(num_experts, MAX_TOP_K) and num_experts <= MAX_EXPERTS
+
+
+def _check(num_experts: int, top_k: int) -> None:
+    if not takes(num_experts, top_k):
+        raise ValueError(f"top-{top_k} of {num_experts} experts: the routing kernels take "
+                         f"at most top-{MAX_TOP_K} of {MAX_EXPERTS}")
+
+
+def _sizes(num_experts: int, top_k: int) -> dict:
+    return dict(TOP_K=top_k, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+                BLOCK_K=max(2, triton.next_power_of_2(top_k)))
 
 
 def softmax_top_k(logits: torch.Tensor, top_k: int, renormalise: bool,
@@ -57,17 +138,61 @@ def softmax_top_k(logits: torch.Tensor, top_k: int, renormalise: bool,
     int64): softmax(logits) in float32, its k largest in descending order, divided by
     their sum if `renormalise`."""
     tokens, num_experts = logits.shape
-    if not takes(num_experts, top_k):
-        raise ValueError(f"softmax_top_k: top-{top_k} of {num_experts} experts (at most "
-                         f"top-{MAX_TOP_K} of {MAX_EXPERTS})")
+    _check(num_experts, top_k)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
     experts = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     if tokens:
         _softmax_top_k[(tokens,)](
-            logits, weights, experts, num_experts, logits.stride(0), TOP_K=top_k,
-            BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
-            BLOCK_K=max(2, triton.next_power_of_2(top_k)), RENORMALISE=renormalise,
-            num_warps=4)
+            logits, weights, experts, num_experts, logits.stride(0),
+            **_sizes(num_experts, top_k), RENORMALISE=renormalise, num_warps=4)
     return weights, experts
+
+
+def _dense_router(gate: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The router's weight [E, H] if the kernel multiplies it (dense in x's dtype, no
+    bias), else None (then its own forward computes the logits)."""
+    w = gate.weight
+    if (getattr(gate, "bias", None) is None and w.dtype == x.dtype and w.dim() == 2
+            and w.shape[1] == x.shape[1] and w.stride(1) == 1 and w.device == x.device):
+        return w
+    return None
+
+
+def route_window(x: torch.Tensor, gate: torch.nn.Module, top_k: int, renormalise: bool):
+    """x [T, H] (1 <= T <= moe_triton.MAX_TOKENS) and the router `gate` (a Linear of H ->
+    E) -> (weights [T, k] in x's dtype, experts [T, k] int64, route): `softmax_top_k` of
+    gate(x), and `route` the pairs grouped by expert for moe_triton's fused kernels
+    (`_route`'s four tensors), in one launch."""
+    tokens, hidden = x.shape
+    num_experts = gate.out_features
+    _check(num_experts, top_k)
+    if not 1 <= tokens <= moe_triton.MAX_TOKENS:
+        raise ValueError(f"route_window takes 1 to {moe_triton.MAX_TOKENS} tokens, not "
+                         f"{tokens}")
+    device = x.device
+    x = x.contiguous()
+    router = _dense_router(gate, x)
+    if router is None:
+        logits = gate(x).float()
+    else:
+        logits = torch.empty(tokens, num_experts, dtype=torch.float32, device=device)
+    pairs = tokens * top_k
+    weights = torch.empty(tokens, top_k, dtype=x.dtype, device=device)
+    experts = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    starts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    order = torch.empty(pairs, dtype=torch.int64, device=device)
+    listed = torch.empty(min(num_experts, pairs), dtype=torch.int64, device=device)
+    t_pad = triton.next_power_of_2(tokens)
+    _route_window[(num_experts if router is not None else 1,)](
+        x, router if router is not None else x, logits, weights, experts, counts, starts,
+        order, listed, tile_counters(device), tokens, hidden, num_experts, listed.shape[0],
+        x.stride(0), router.stride(0) if router is not None else 0, logits.stride(0),
+        ROUTER=router is not None, T_PAD=t_pad,
+        BLOCK_H=min(triton.next_power_of_2(hidden), max(16, ROUTER_VALUES // t_pad)),
+        **_sizes(num_experts, top_k), RENORMALISE=renormalise,
+        PAIRS=max(moe_triton.ROUTE_CHUNK, triton.next_power_of_2(pairs)),
+        CHUNK=moe_triton.ROUTE_CHUNK, num_warps=4)
+    return weights, experts, (counts, starts, order, listed)
