@@ -81,6 +81,8 @@ def test_random_quantized_checkpoints_spread_like_the_dense_ones(qtype):
                                 torch.device("cpu"))  # stacked experts
     assert experts.shape == (3, 8, FORMATS[qtype].row_bytes(512))
     assert reference.dequantize(experts[2], qtype).isfinite().all()
+    assert checkpoint.blocks("model.layers.0.mlp.gate.weight", (128, 512),
+                             torch.device("cpu")) is None  # routers stay dense, as in GGUFs
 
 
 def test_a_random_quantized_model_runs_with_its_projections_in_blocks():

@@ -9,7 +9,8 @@ Weights are N(0, 0.02) (norm weights 1), drawn directly on each stage's device f
 seed per parameter name, so every process draws the same model. Quantized projections are
 random block bytes whose f16 scale fields are set so that the values spread about as much
 (any bytes are a valid block once its scales are finite); a projection whose rows are not
-whole blocks stays dense, as a converter falls back to another type. Such a model has no
+whole blocks stays dense, as a converter falls back to another type, and so do MoE routers,
+which llama.cpp's quantize leaves in F32 (ROUTER). Such a model has no
 tokenizer: use it with token ids (benchmarks), never for real text.
 """
 
@@ -25,6 +26,8 @@ from strata.errors import StrataError
 from strata.models.config import ModelConfig
 from strata.models.registry import resolve_hf_architecture
 from strata.quant.formats import FORMATS
+
+ROUTER = "mlp.gate.weight"  # a MoE layer's router (GGUF: ffn_gate_inp), never quantized
 
 # Per format, the scale fields' values: d, then m or dmin as a multiple of d, chosen so that
 # random quants give values of about N(0, 0.02)'s spread, centred near 0.
@@ -110,9 +113,11 @@ class RandomCheckpoint:
                device: torch.device) -> torch.Tensor | None:
         """Random blocks of this checkpoint's format for projection `name` [out, in], or
         stacked experts [E, out, in] (uint8 [..., out, row bytes]); None where it is not
-        quantized (no format, or rows that are not whole blocks)."""
+        quantized (no format, rows that are not whole blocks, or a MoE router: llama.cpp's
+        quantize never quantizes ffn_gate_inp, so GGUF files keep routers in F32)."""
         fmt = FORMATS.get(self.qtype)
-        if fmt is None or len(shape) not in (2, 3) or shape[-1] % fmt.block_values:
+        if (fmt is None or len(shape) not in (2, 3) or shape[-1] % fmt.block_values
+                or name.endswith(ROUTER)):
             return None
         n = shape[-1] // fmt.block_values
         raw = torch.randint(0, 256, (*shape[:-1], n, fmt.block_bytes), dtype=torch.uint8,
