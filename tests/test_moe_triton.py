@@ -374,7 +374,7 @@ def compile_small(arch: int, experts: int = 512, top_k: int = 10):
         return {"logits_ptr": "*bf16", "weights_ptr": "*bf16", "experts_ptr": "*i64"}.get(
             name, "i32")
 
-    def window(name: str) -> str:
+    def window_types(name: str) -> str:
         return {"x_ptr": "*bf16", "router_ptr": "*bf16", "logits_ptr": "*fp32",
                 "weights_ptr": "*bf16", "experts_ptr": "*i64", "order_ptr": "*i64",
                 "listed_ptr": "*i64"}.get(name, "*i32" if name.endswith("_ptr") else "i32")
@@ -387,7 +387,7 @@ def compile_small(arch: int, experts: int = 512, top_k: int = 10):
                        sizes | dict(ROUTER=True, T_PAD=tokens, BLOCK_H=min(
                            2048, route_triton.ROUTER_VALUES // tokens), RENORMALISE=True,
                            PAIRS=triton.next_power_of_2(tokens * top_k),
-                           CHUNK=moe_triton.ROUTE_CHUNK), window, options)
+                           CHUNK=moe_triton.ROUTE_CHUNK), window_types, options)
         for tokens in (1, 32)]
 
 

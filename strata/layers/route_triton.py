@@ -6,18 +6,20 @@ first index among equal ones), divides them by their sum where the model renorma
 writes the experts (int64) and the weights rounded to the activations' dtype — what
 `softmax`, `topk`, the division and the cast cost five launches for (about 12 us a layer
 on the H200 for one token, most of it torch.topk's sort; benchmarks/README.md). Up to 1024
-experts and top-16. Prompt chunks and windows of the grouped path take it.
+experts and top-16. Prompt chunks, longer windows and an expert cache's windows take it.
 
-`route_window`: a decode or verify window (up to moe_triton's MAX_TOKENS tokens) bound for
-the fused experts, in one launch instead of three (the router's matmul, the top-k above
-and moe_triton's grouping of the pairs by expert: 11.4 us a layer on the H200 for one
-token of the 30B's shape). Program e computes the router's logit of expert e for every
-token (fp32 sums rounded to x's dtype, as the matmul writes them) into a scratch row, and
-counts itself in at an int32 counter; the last program to arrive takes the window's
-softmax top-k for all its tokens at once (the same arithmetic as `softmax_top_k`), writes
-experts and weights, and groups the pairs (moe_triton's `_group_pairs`) for the fused
-kernels. A router kept quantized (or with a bias, or in another dtype than x) computes its
-logits first; then the launch is that last program alone.
+`route_window`: a decode or verify window bound for the fused experts, in one launch
+instead of three (the router's matmul, the top-k above and moe_triton's grouping of the
+pairs by expert: 11.4 us a layer on the H200 for one token of the 30B's shape, 7.4 in one).
+It takes up to moe_triton's MAX_TOKENS tokens; SparseMoE gives it windows of up to
+WINDOW_TOKENS (beyond, its one program's top-k over all tokens cost more than it saved).
+Program e computes the router's logit of expert e for every token (fp32 sums rounded to
+x's dtype, as the matmul writes them) into a scratch row, and counts itself in at an
+int32 counter; the last program to arrive takes the window's softmax top-k for all its
+tokens at once (the same arithmetic as `softmax_top_k`), writes experts and weights, and
+groups the pairs (moe_triton's `_group_pairs`) for the fused kernels. A router kept
+quantized (or with a bias, or in another dtype than x) computes its logits first; then
+the launch is that last program alone.
 
 NOTE: no host sync and shapes that follow (T, E, k) only: captured in CUDA graphs. The
 counter is triton_quant's (zero between launches: the last program sets it back).
