@@ -366,8 +366,6 @@ def compile_small(arch: int, experts: int = 512, top_k: int = 10):
     """route_triton's `_softmax_top_k` (bf16 logits of `experts` experts, top-k) and
     `_route_window` (a dense bf16 router of 2048 columns, a 1-token and a 32-token window),
     compiled for compute capability `arch`."""
-    import triton
-
     from strata.layers import route_triton
 
     def router(name: str) -> str:
@@ -381,13 +379,16 @@ def compile_small(arch: int, experts: int = 512, top_k: int = 10):
 
     options = dict(num_warps=4)
     sizes = route_triton._sizes(experts, top_k)
+
+    def grouping(tokens: int) -> dict:
+        return moe_triton.grouping_constants(tokens * top_k, experts)
     return [compile_kernel(route_triton._softmax_top_k, arch,
                            sizes | dict(RENORMALISE=True), router, options)] + [
         compile_kernel(route_triton._route_window, arch,
                        sizes | dict(ROUTER=True, T_PAD=tokens, BLOCK_H=min(
                            2048, route_triton.ROUTER_VALUES // tokens), RENORMALISE=True,
-                           PAIRS=triton.next_power_of_2(tokens * top_k),
-                           CHUNK=moe_triton.ROUTE_CHUNK), window_types, options)
+                           PAIRS=grouping(tokens)["PAIRS"], CHUNK=moe_triton.ROUTE_CHUNK),
+                       window_types, options)
         for tokens in (1, 32)]
 
 

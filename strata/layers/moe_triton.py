@@ -509,17 +509,26 @@ def _route(experts: torch.Tensor, num_experts: int):
     launch of `_route_pairs`."""
     pairs = experts.numel()
     flat = experts.reshape(-1).contiguous()
-    device = experts.device
-    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    starts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    order = torch.empty(pairs, dtype=torch.int64, device=device)
-    listed = torch.empty(min(num_experts, pairs), dtype=torch.int64, device=device)
-    block = max(ROUTE_CHUNK, triton.next_power_of_2(pairs))
+    counts, starts, order, listed = route = route_buffers(pairs, num_experts, experts.device)
     _route_pairs[(1,)](flat, counts, starts, order, listed, pairs, num_experts,
-                       listed.shape[0], PAIRS=block,
-                       EXPERTS=max(16, triton.next_power_of_2(num_experts)),
-                       CHUNK=ROUTE_CHUNK, num_warps=4)
-    return counts, starts, order, listed
+                       listed.shape[0], **grouping_constants(pairs, num_experts),
+                       num_warps=4)
+    return route
+
+
+def route_buffers(pairs: int, num_experts: int, device: torch.device):
+    """`_route`'s four outputs, empty: counts and starts [E] int32, order [pairs] int64,
+    listed [min(E, pairs)] int64."""
+    return (torch.empty(num_experts, dtype=torch.int32, device=device),
+            torch.empty(num_experts, dtype=torch.int32, device=device),
+            torch.empty(pairs, dtype=torch.int64, device=device),
+            torch.empty(min(num_experts, pairs), dtype=torch.int64, device=device))
+
+
+def grouping_constants(pairs: int, num_experts: int) -> dict:
+    """`_group_pairs`' constexprs for `pairs` pairs of `num_experts` experts."""
+    return dict(PAIRS=max(ROUTE_CHUNK, triton.next_power_of_2(pairs)),
+                EXPERTS=max(16, triton.next_power_of_2(num_experts)), CHUNK=ROUTE_CHUNK)
 
 
 def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,

@@ -183,10 +183,9 @@ def route_window(x: torch.Tensor, gate: torch.nn.Module, top_k: int, renormalise
     pairs = tokens * top_k
     weights = torch.empty(tokens, top_k, dtype=x.dtype, device=device)
     experts = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
-    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    starts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    order = torch.empty(pairs, dtype=torch.int64, device=device)
-    listed = torch.empty(min(num_experts, pairs), dtype=torch.int64, device=device)
+    counts, starts, order, listed = route = moe_triton.route_buffers(pairs, num_experts,
+                                                                     device)
+    grouping = moe_triton.grouping_constants(pairs, num_experts)
     t_pad = triton.next_power_of_2(tokens)
     _route_window[(num_experts if router is not None else 1,)](
         x, router if router is not None else x, logits, weights, experts, counts, starts,
@@ -194,7 +193,6 @@ def route_window(x: torch.Tensor, gate: torch.nn.Module, top_k: int, renormalise
         x.stride(0), router.stride(0) if router is not None else 0, logits.stride(0),
         ROUTER=router is not None, T_PAD=t_pad,
         BLOCK_H=min(triton.next_power_of_2(hidden), max(16, ROUTER_VALUES // t_pad)),
-        **_sizes(num_experts, top_k), RENORMALISE=renormalise,
-        PAIRS=max(moe_triton.ROUTE_CHUNK, triton.next_power_of_2(pairs)),
-        CHUNK=moe_triton.ROUTE_CHUNK, num_warps=4)
-    return weights, experts, (counts, starts, order, listed)
+        **_sizes(num_experts, top_k), RENORMALISE=renormalise, PAIRS=grouping["PAIRS"],
+        CHUNK=grouping["CHUNK"], num_warps=4)
+    return weights, experts, route
