@@ -101,6 +101,11 @@ class EngineConfig:
         "on: CUDA stages run RMSNorm, rotary embedding and the SiLU gate as torch.compile'd "
         "fused kernels (compiled once at start-up, in seconds); off: plain PyTorch",
         choices=("on", "off")))
+    pdl: str = field(default="on", metadata=_opt(
+        "on: on GPUs of compute capability 9.0 or more (Hopper), Strata's Triton kernels "
+        "launch as programmatic dependents, each one's programs starting while the kernel "
+        "before it finishes (elsewhere they launch plainly); off: plain launches",
+        choices=("on", "off")))
     schedule_ahead: str = field(default="auto", metadata=_opt(
         "while a group's window computes, build and launch its next one, the input tokens "
         "of its slots without drafts taken from the last window on the device (slots with "

@@ -131,9 +131,10 @@ TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 
 def compile_kernel(kernel, arch: int, constants: dict, types, options: dict):
     """`kernel` (a triton.jit function) as triton compiles it for an NVIDIA GPU of compute
-    capability `arch`, without one: `constants` its constexprs, `types(name)` the triton
-    type of each other argument, `options` the launch's (num_warps, num_stages). Only in a
-    process where the interpreter is off (offline_compiled)."""
+    capability `arch`, without one: `constants` its constexprs (a kernel's PDL, unless
+    given, on from SM90, as launched), `types(name)` the triton type of each other
+    argument, `options` the launch's (num_warps, num_stages). Only in a process where the
+    interpreter is off (offline_compiled)."""
     import inspect
 
     import triton
@@ -142,6 +143,9 @@ def compile_kernel(kernel, arch: int, constants: dict, types, options: dict):
     from triton.runtime.jit import JITFunction
 
     fn = kernel.fn  # the Python function under jit or interpreter
+    if "PDL" in inspect.signature(fn).parameters and "PDL" not in constants:
+        # strata/layers/pdl.py: griddepcontrol where the GPU has it (SM90), as launched
+        constants = {**constants, "PDL": arch >= 90}
     signature = {name: "constexpr" if name in constants else types(name)
                  for name in inspect.signature(fn).parameters}
     return triton.compile(ASTSource(fn=JITFunction(fn), signature=signature,

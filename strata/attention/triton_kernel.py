@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.layers import pdl
+
 BLOCK_M = 16  # tokens per query tile (the tile map in triton_paged.py is built with it)
 LOG2_E = 1.4426950408889634  # the kernel's softmax uses exp2
 SPLIT_TOKENS = 64  # windows of up to this many tokens split their walks
@@ -49,7 +51,8 @@ def _paged_attention(
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, GROUP_BLOCK: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE_FP32: tl.constexpr,
-        NUM_SPLITS: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_CHUNKS
     chunk = tl.program_id(1) % HEAD_CHUNKS
@@ -109,6 +112,7 @@ def _paged_attention(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    pdl.release(PDL)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_rows = (first + token) * stride_ot + head * stride_oh
@@ -126,9 +130,11 @@ def _paged_attention(
 def _combine_splits(
         split_acc_ptr, split_ml_ptr, out_ptr,            # partials as stored above, [T, H, D]
         stride_ot, stride_oh, num_tokens, num_heads,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        PDL: tl.constexpr):
     """One program per (token, head): the splits' partial softmaxes rescaled to their
     common maximum and summed."""
+    pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     split = tl.arange(0, NUM_SPLITS)
@@ -138,6 +144,7 @@ def _combine_splits(
     total = tl.sum(tl.load(split_ml_ptr + part * 2 + 1) * weight, axis=0)
     dim = tl.arange(0, BLOCK_D)
     acc = tl.load(split_acc_ptr + part[:, None] * BLOCK_D + dim[None, :])        # [S, D]
+    pdl.release(PDL)
     out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dim,
              out.to(out_ptr.dtype.element_ty), mask=dim < HEAD_DIM)
@@ -200,19 +207,22 @@ def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         tile_start, tile_count,
         q.stride(0), q.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2_E, tokens, heads,
-        **constants, NUM_SPLITS=splits, num_warps=num_warps, num_stages=2)
+        **constants, NUM_SPLITS=splits, **pdl.constants(q.device), num_warps=num_warps,
+        num_stages=2)
     if splits > 1:
         _combine_splits[(tokens, heads)](
             split_acc, split_ml, out, out.stride(0), out.stride(1), tokens, heads,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=1)
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, **pdl.constants(q.device),
+            num_warps=1)
     return out
 
 
 @triton.jit
 def _write_kv(k_ptr, v_ptr, key_ptr, value_ptr, slot_ptr,
               stride_kt, stride_kh, stride_vt, stride_vh,
-              HD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+              HD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program t writes token t's keys and values [Hkv, D] to cache row slot_mapping[t]."""
+    pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     ok = i < HD
@@ -220,6 +230,7 @@ def _write_kv(k_ptr, v_ptr, key_ptr, value_ptr, slot_ptr,
     row = tl.load(slot_ptr + t).to(tl.int64) * HD
     k = tl.load(k_ptr + t * stride_kt + head * stride_kh + d, mask=ok)
     v = tl.load(v_ptr + t * stride_vt + head * stride_vh + d, mask=ok)
+    pdl.release(PDL)
     tl.store(key_ptr + row + i, k, mask=ok)
     tl.store(value_ptr + row + i, v, mask=ok)
 
@@ -236,4 +247,5 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, key: torch.Tensor, value: torch.T
     assert k.dtype == v.dtype == key.dtype == value.dtype
     _write_kv[(tokens,)](k, v, key, value, slot_mapping, k.stride(0), k.stride(1),
                          v.stride(0), v.stride(1), HD=heads * d, D=d,
-                         BLOCK=triton.next_power_of_2(heads * d), num_warps=1)
+                         BLOCK=triton.next_power_of_2(heads * d), **pdl.constants(k.device),
+                         num_warps=1)

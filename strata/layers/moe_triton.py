@@ -72,6 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.layers import pdl
 from strata.quant.formats import FORMATS
 from strata.quant.triton_quant import (GROUPS, ROW_BLOCK, ROW_TOKENS, _accumulate,
                                        _block_dot, _decode_block, _decode_group, _runs,
@@ -160,7 +161,8 @@ def _gate_up(x_ptr, gate_ptr, up_ptr, h_ptr,           # [T, H], [E, I, H] x2, [
              top_k, hidden, inter,
              stride_xt, stride_ge, stride_gi, stride_ue, stride_ui, stride_ht,
              BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             DOT_FP32: tl.constexpr, CACHED: tl.constexpr):
+             DOT_FP32: tl.constexpr, CACHED: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     row, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
                                                        inter, BLOCK_N, CACHED)  # cols: rows of I
     gate = gate_ptr + row * stride_ge + cols.to(tl.int64)[None, :] * stride_gi
@@ -182,6 +184,7 @@ def _gate_up(x_ptr, gate_ptr, up_ptr, h_ptr,           # [T, H], [E, I, H] x2, [
             u = tl.load(up + k[:, None], mask=w_ok, other=0.0)
             acc_g += _dot(x, g, DOT_FP32)
             acc_u += _dot(x, u, DOT_FP32)
+        pdl.release(PDL)
         _store_act(acc_g, acc_u, h_ptr, h_ptr + (start + slot).to(tl.int64)[:, None] * stride_ht,
                    slot_ok, cols, col_ok)
 
@@ -192,7 +195,8 @@ def _down(h_ptr, down_ptr, weights_ptr, out_ptr,        # [T*k, I], [E, H, I], [
           hidden, inter,
           stride_ht, stride_de, stride_dh, stride_ot,
           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          DOT_FP32: tl.constexpr, CACHED: tl.constexpr):
+          DOT_FP32: tl.constexpr, CACHED: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     row, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
                                                        hidden, BLOCK_N, CACHED)  # cols: rows of H
     down = down_ptr + row * stride_de + cols.to(tl.int64)[None, :] * stride_dh
@@ -207,6 +211,7 @@ def _down(h_ptr, down_ptr, weights_ptr, out_ptr,        # [T*k, I], [E, H, I], [
             h = tl.load(rows + k[None, :], mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(down + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc += _dot(h, w, DOT_FP32)
+        pdl.release(PDL)
         _store_weighted(acc, out_ptr, weights_ptr, order_ptr, start, slot, slot_ok, cols,
                         col_ok, stride_ot)
 
@@ -238,7 +243,8 @@ def _gate_up_q(x_ptr, gate_ptr, up_ptr, h_ptr,        # [T, H], [E, I, bytes] u8
                GATE_FORMAT: tl.constexpr, GATE_C: tl.constexpr, GATE_OFFSET: tl.constexpr,
                UP_FORMAT: tl.constexpr, UP_C: tl.constexpr, UP_OFFSET: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
-               DOT_FP32: tl.constexpr, CACHED: tl.constexpr):
+               DOT_FP32: tl.constexpr, CACHED: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     row, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
                                                        inter, BLOCK_N, CACHED)  # cols: rows of I
     gate = row * stride_ge + cols.to(tl.int64) * stride_gi  # byte offsets
@@ -253,6 +259,7 @@ def _gate_up_q(x_ptr, gate_ptr, up_ptr, h_ptr,        # [T, H], [E, I, bytes] u8
                          GATE_FORMAT, GATE_C, BLOCK_T, GATE_OFFSET, USE_DOT, DOT_FP32)
         acc_u = _project(acc, rows, count - first, up_ptr, up, col_ok, up_groups,
                          UP_FORMAT, UP_C, BLOCK_T, UP_OFFSET, USE_DOT, DOT_FP32)
+        pdl.release(PDL)
         _store_act(acc_g, acc_u, h_ptr, h_ptr + (start + slot).to(tl.int64)[:, None] * stride_ht,
                    slot_ok, cols, col_ok)
 
@@ -264,7 +271,8 @@ def _down_q(h_ptr, down_ptr, weights_ptr, out_ptr,    # [T*k, I], [E, H, bytes] 
             stride_ht, stride_de, stride_dh, stride_ot,
             FORMAT: tl.constexpr, C: tl.constexpr, HAS_OFFSET: tl.constexpr,
             BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
-            DOT_FP32: tl.constexpr, CACHED: tl.constexpr):
+            DOT_FP32: tl.constexpr, CACHED: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     row, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
                                                        hidden, BLOCK_N, CACHED)  # cols: rows of H
     down = row * stride_de + cols.to(tl.int64) * stride_dh  # byte offsets
@@ -275,6 +283,7 @@ def _down_q(h_ptr, down_ptr, weights_ptr, out_ptr,    # [T*k, I], [E, H, bytes] 
         acc = _project(tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), rows, count - first,
                        down_ptr, down, col_ok, down_groups, FORMAT, C, BLOCK_T, HAS_OFFSET,
                        USE_DOT, DOT_FP32)
+        pdl.release(PDL)
         _store_weighted(acc, out_ptr, weights_ptr, order_ptr, start, slot, slot_ok, cols,
                         col_ok, stride_ot)
 
@@ -302,9 +311,11 @@ def _gate_up_q_rows(x_ptr, gate_ptr, up_ptr, h_ptr,   # [T, H], [E, I, bytes] u8
                     GATE_FORMAT: tl.constexpr, GATE_G: tl.constexpr, GATE_C: tl.constexpr,
                     GATE_BYTES: tl.constexpr, GATE_VALUES: tl.constexpr,
                     UP_FORMAT: tl.constexpr, UP_G: tl.constexpr, UP_C: tl.constexpr,
-                    UP_BYTES: tl.constexpr, UP_VALUES: tl.constexpr, ROWS: tl.constexpr, CACHED: tl.constexpr):
+                    UP_BYTES: tl.constexpr, UP_VALUES: tl.constexpr, ROWS: tl.constexpr,
+                    CACHED: tl.constexpr, PDL: tl.constexpr):
     """A window of a few tokens: ROWS rows of I of one expert, each pair in turn, the
     blocks walked whole (the pairs of one expert re-read its rows: from L2)."""
+    pdl.wait(PDL)
     row, count, start, rows, row_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
                                                        inter, ROWS, CACHED)
     safe = tl.where(row_ok, rows, 0).to(tl.int64)
@@ -318,6 +329,7 @@ def _gate_up_q_rows(x_ptr, gate_ptr, up_ptr, h_ptr,   # [T, H], [E, I, bytes] u8
                      GATE_BYTES, GATE_VALUES)
         u = _row_dot(zero, up_ptr, up, x_row, up_blocks, UP_FORMAT, UP_G, UP_C, UP_BYTES,
                      UP_VALUES)
+        pdl.release(PDL)
         tl.store(h_ptr + (start + s).to(tl.int64) * stride_ht + rows,
                  _act(g, u, h_ptr.dtype.element_ty), mask=row_ok)
 
@@ -327,7 +339,9 @@ def _down_q_rows(h_ptr, down_ptr, weights_ptr, out_ptr,  # [T*k, I], [E, H, byte
                  listed_ptr, counts_ptr, starts_ptr, order_ptr, rows_ptr,
                  hidden, down_blocks, stride_ht, stride_de, stride_dh, stride_ot,
                  FORMAT: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
-                 BLOCK_BYTES: tl.constexpr, BLOCK_VALUES: tl.constexpr, ROWS: tl.constexpr, CACHED: tl.constexpr):
+                 BLOCK_BYTES: tl.constexpr, BLOCK_VALUES: tl.constexpr, ROWS: tl.constexpr,
+                 CACHED: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     row, count, start, rows, row_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
                                                        hidden, ROWS, CACHED)
     down = row * stride_de + tl.where(row_ok, rows, 0).to(tl.int64) * stride_dh
@@ -337,6 +351,7 @@ def _down_q_rows(h_ptr, down_ptr, weights_ptr, out_ptr,  # [T*k, I], [E, H, byte
                        h_ptr + (start + s).to(tl.int64) * stride_ht, down_blocks, FORMAT, G,
                        C, BLOCK_BYTES, BLOCK_VALUES)
         weight = tl.load(weights_ptr + pair).to(tl.float32)
+        pdl.release(PDL)
         tl.store(out_ptr + pair.to(tl.int64) * stride_ot + rows, acc * weight, mask=row_ok)
 
 
@@ -411,14 +426,17 @@ def _check(x, experts, weights, gate_proj, up_proj, down_proj) -> None:
 
 
 @triton.jit
-def _combine(out_ptr, y_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine(out_ptr, y_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+             PDL: tl.constexpr):
     """y[t] = the sum of out's rows t*k .. t*k + k - 1 in order (fp32), in y's dtype."""
+    pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < hidden
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(out_ptr + (token * TOP_K + j) * hidden + cols, mask=ok, other=0.0)
+    pdl.release(PDL)
     dtype = y_ptr.dtype.element_ty
     tl.store(y_ptr + token * hidden + cols, _rounded(acc, dtype).to(dtype), mask=ok)
 
@@ -432,7 +450,8 @@ def _combined(out: torch.Tensor, tokens: int, top_k: int, dtype: torch.dtype) ->
     hidden = out.shape[1]
     y = torch.empty(tokens, hidden, dtype=dtype, device=out.device)
     _combine[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
-        out, y, hidden, TOP_K=top_k, BLOCK_H=COMBINE_BLOCK, num_warps=4)
+        out, y, hidden, TOP_K=top_k, BLOCK_H=COMBINE_BLOCK, **pdl.constants(out.device),
+        num_warps=4)
     return y
 
 
@@ -443,8 +462,11 @@ def _inner_contiguous(w: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _route_pairs(experts_ptr, counts_ptr, starts_ptr, order_ptr, listed_ptr,
                  num_pairs, num_experts, num_listed,
-                 PAIRS: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr):
-    """One program: `_group_pairs`."""
+                 PAIRS: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr,
+                 PDL: tl.constexpr):
+    """One program: `_group_pairs` (the fused kernels launch meanwhile)."""
+    pdl.wait(PDL)
+    pdl.release(PDL)
     _group_pairs(experts_ptr, counts_ptr, starts_ptr, order_ptr, listed_ptr, num_pairs,
                  num_experts, num_listed, PAIRS, EXPERTS, CHUNK)
 
@@ -512,7 +534,7 @@ def _route(experts: torch.Tensor, num_experts: int):
     counts, starts, order, listed = route = route_buffers(pairs, num_experts, experts.device)
     _route_pairs[(1,)](flat, counts, starts, order, listed, pairs, num_experts,
                        listed.shape[0], **grouping_constants(pairs, num_experts),
-                       num_warps=4)
+                       **pdl.constants(experts.device), num_warps=4)
     return route
 
 
@@ -563,11 +585,12 @@ def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
         x, gate_proj, up_proj, h, listed, counts, starts, order, cached, top_k, hidden,
         inter, x.stride(0), gate_proj.stride(0), gate_proj.stride(1), up_proj.stride(0),
         up_proj.stride(1), h.stride(0), **gate_up_constants, CACHED=rows is not None,
-        **launch)
+        **pdl.constants(x.device), **launch)
     _down[(listed.shape[0], triton.cdiv(hidden, down_constants["BLOCK_N"]))](
         h, down_proj, weights.reshape(-1).contiguous(), out, listed, counts, starts, order,
         cached, hidden, inter, h.stride(0), down_proj.stride(0), down_proj.stride(1),
-        out.stride(0), **down_constants, CACHED=rows is not None, **launch)
+        out.stride(0), **down_constants, CACHED=rows is not None, **pdl.constants(x.device),
+        **launch)
     return _combined(out, tokens, top_k, x.dtype)
 
 
@@ -675,12 +698,12 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: tor
             hidden // FORMATS[gate_qtype].block_values, hidden // FORMATS[up_qtype].block_values,
             x.stride(0), gate_blocks.stride(0), gate_blocks.stride(1), up_blocks.stride(0),
             up_blocks.stride(1), h.stride(0), **gate_up_rows, CACHED=rows is not None,
-            num_warps=1)
+            **pdl.constants(x.device), num_warps=1)
         _down_q_rows[(listed.shape[0], triton.cdiv(hidden, ROW_BLOCK))](
             h, down_blocks, weights.reshape(-1).contiguous(), out, listed, counts, starts,
             order, cached, hidden, inter // FORMATS[down_qtype].block_values, h.stride(0),
             down_blocks.stride(0), down_blocks.stride(1), out.stride(0), **down_rows,
-            CACHED=rows is not None, num_warps=1)
+            CACHED=rows is not None, **pdl.constants(x.device), num_warps=1)
         return _combined(out, tokens, top_k, x.dtype)
     gate_up_constants, down_constants, launch = quantized_constants(
         tokens, x.dtype, (gate_qtype, up_qtype, down_qtype), hidden, inter, x.device.type)
@@ -689,10 +712,10 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: tor
         hidden // GROUPS[gate_qtype][0], hidden // GROUPS[up_qtype][0],
         x.stride(0), gate_blocks.stride(0), gate_blocks.stride(1), up_blocks.stride(0),
         up_blocks.stride(1), h.stride(0), **gate_up_constants, CACHED=rows is not None,
-        **launch)
+        **pdl.constants(x.device), **launch)
     _down_q[(listed.shape[0], triton.cdiv(hidden, down_constants["BLOCK_N"]))](
         h, down_blocks, weights.reshape(-1).contiguous(), out, listed, counts, starts, order,
         cached, hidden, inter // GROUPS[down_qtype][0], h.stride(0), down_blocks.stride(0),
         down_blocks.stride(1), out.stride(0), **down_constants, CACHED=rows is not None,
-        **launch)
+        **pdl.constants(x.device), **launch)
     return _combined(out, tokens, top_k, x.dtype)

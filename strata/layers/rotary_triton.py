@@ -21,11 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.layers import pdl
+
 
 @triton.jit
 def _norm_rotate(q_ptr, k_ptr, q_out, k_out, q_weight, k_weight, cos_ptr, sin_ptr, pos_ptr,
                  stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads, eps,
-                 D: tl.constexpr, NORM: tl.constexpr):
+                 D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     dtype = q_out.dtype.element_ty
@@ -53,6 +56,7 @@ def _norm_rotate(q_ptr, k_ptr, q_out, k_out, q_weight, k_weight, cos_ptr, sin_pt
     sin = tl.load(sin_ptr + pos * D + i).to(dtype).to(tl.float32)
     a = (x * cos).to(dtype).to(tl.float32)
     b = ((sign * x_partner) * sin).to(dtype).to(tl.float32)
+    pdl.release(PDL)
     tl.store(dst + i, (a + b).to(dtype))
 
 
@@ -84,5 +88,6 @@ def norm_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     _norm_rotate[(tokens, heads + k_heads)](
         q, k, q_out, k_out, q_weight, k_weight, cos, sin, positions,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), heads, k_heads, float(eps),
-        D=d, NORM=weights is not None, num_warps=1 if d <= 128 else 2)
+        D=d, NORM=weights is not None, **pdl.constants(q.device),
+        num_warps=1 if d <= 128 else 2)
     return q_out, k_out

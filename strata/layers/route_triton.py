@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.layers import moe_triton
+from strata.layers import moe_triton, pdl
 from strata.layers.moe_triton import _group_pairs, _rounded
 from strata.quant.triton_quant import tile_counters
 
@@ -68,11 +68,13 @@ def _top_k(logits, t, t_ok, e, weights_ptr, experts_ptr, TOP_K: tl.constexpr,
 @triton.jit
 def _softmax_top_k(logits_ptr, weights_ptr, experts_ptr, num_experts, stride_t,
                    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                   RENORMALISE: tl.constexpr):
+                   RENORMALISE: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     t = tl.zeros([1], dtype=tl.int64) + tl.program_id(0)  # the token, as a 1-row tile
     e = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + t[:, None] * stride_t + e[None, :],
                      mask=(e < num_experts)[None, :], other=-float("inf")).to(tl.float32)
+    pdl.release(PDL)
     _top_k(logits, t, t >= 0, e, weights_ptr, experts_ptr, TOP_K, BLOCK_E, BLOCK_K,
            RENORMALISE)
 
@@ -84,7 +86,9 @@ def _route_window(x_ptr, router_ptr, logits_ptr, weights_ptr, experts_ptr,
                   stride_lt,
                   ROUTER: tl.constexpr, T_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                   TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                  RENORMALISE: tl.constexpr, PAIRS: tl.constexpr, CHUNK: tl.constexpr):
+                  RENORMALISE: tl.constexpr, PAIRS: tl.constexpr, CHUNK: tl.constexpr,
+                  PDL: tl.constexpr):
+    pdl.wait(PDL)
     t = tl.arange(0, T_PAD)
     t_ok = t < num_tokens
     if ROUTER:  # program e: expert e's logit for every token, then count in
@@ -98,11 +102,13 @@ def _route_window(x_ptr, router_ptr, logits_ptr, weights_ptr, experts_ptr,
             x = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_xt + k[None, :],
                         mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(x * w[None, :], axis=1)
+        pdl.release(PDL)  # the fused kernels launch while the last program routes
         logit = _rounded(acc, x_ptr.dtype.element_ty)  # as the matmul writes them
         tl.store(logits_ptr + t * stride_lt + expert, logit, mask=t_ok)
         tl.debug_barrier()
         last = tl.atomic_add(arrived_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1
     else:
+        pdl.release(PDL)
         last = tl.program_id(0) == 0
     if last:
         e = tl.arange(0, BLOCK_E)
@@ -148,7 +154,8 @@ def softmax_top_k(logits: torch.Tensor, top_k: int, renormalise: bool,
     if tokens:
         _softmax_top_k[(tokens,)](
             logits, weights, experts, num_experts, logits.stride(0),
-            **_sizes(num_experts, top_k), RENORMALISE=renormalise, num_warps=4)
+            **_sizes(num_experts, top_k), RENORMALISE=renormalise,
+            **pdl.constants(logits.device), num_warps=4)
     return weights, experts
 
 
@@ -194,5 +201,5 @@ def route_window(x: torch.Tensor, gate: torch.nn.Module, top_k: int, renormalise
         ROUTER=router is not None, T_PAD=t_pad,
         BLOCK_H=min(triton.next_power_of_2(hidden), max(16, ROUTER_VALUES // t_pad)),
         **_sizes(num_experts, top_k), RENORMALISE=renormalise, PAIRS=grouping["PAIRS"],
-        CHUNK=grouping["CHUNK"], num_warps=4)
+        CHUNK=grouping["CHUNK"], **pdl.constants(device), num_warps=4)
     return weights, experts, route

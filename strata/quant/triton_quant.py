@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.layers import pdl
 from strata.quant.formats import FORMATS
 
 BLOCK_N = 64          # output rows per program
@@ -224,7 +225,8 @@ def _gemv(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uint8, [
           num_tokens, num_rows, stride_xt, stride_row, num_groups,
           FORMAT: tl.constexpr, C: tl.constexpr, T_PAD: tl.constexpr,
           BLOCK_N: tl.constexpr, HAS_OFFSET: tl.constexpr, USE_DOT: tl.constexpr,
-          DOT_FP32: tl.constexpr, SPLIT: tl.constexpr):
+          DOT_FP32: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     tile = tl.program_id(0)
     split = tl.program_id(1)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -241,6 +243,7 @@ def _gemv(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uint8, [
                           C, T_PAD, HAS_OFFSET, USE_DOT, DOT_FP32)
         acc = _accumulate(acc, x_ptr, stride_xt, num_tokens, k_hi, q_hi, s_hi, o_hi,
                           C, T_PAD, HAS_OFFSET, USE_DOT, DOT_FP32)
+    pdl.release(PDL)
     t = tl.arange(0, T_PAD)
     _finish(acc, out_ptr, partial_ptr, count_ptr,
             t[:, None].to(tl.int64) * num_rows + rows[None, :], num_tokens * num_rows,
@@ -401,7 +404,9 @@ def _gemv_rows(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uin
                num_rows, stride_xt, stride_row, num_blocks,
                FORMAT: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
                BLOCK_BYTES: tl.constexpr, BLOCK_VALUES: tl.constexpr, TOKENS: tl.constexpr,
-               T_PAD: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr):
+               T_PAD: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
+               PDL: tl.constexpr):
+    pdl.wait(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_rows
     row_start = tl.where(row_ok, rows, 0).to(tl.int64) * stride_row
@@ -418,6 +423,7 @@ def _gemv_rows(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uin
             y = _block_dot(q_a, s_a, o_a, q_b, s_b, o_b,
                            x_ptr + token * stride_xt + b * BLOCK_VALUES, first, second, C)
             acc = tl.where(t[:, None] == token, acc + y[None, :], acc)
+    pdl.release(PDL)
     _finish(acc, out_ptr, partial_ptr, count_ptr,
             t[:, None].to(tl.int64) * num_rows + rows[None, :], TOKENS * num_rows,
             (t < TOKENS)[:, None] & row_ok[None, :], SPLIT)
@@ -494,7 +500,8 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     return _split_sums(x, rows, tiles, splits, lambda out, partial, counts: _gemv[(
         tiles, splits)](
         x, blocks, out, partial, counts, tokens, rows, x.stride(0), blocks.stride(0), groups,
-        **constants, SPLIT=splits > 1, num_warps=num_warps, num_stages=2))
+        **constants, SPLIT=splits > 1, **pdl.constants(x.device), num_warps=num_warps,
+        num_stages=2))
 
 
 MAX_SPLIT_TILES = 4096  # row tiles a split launch may have (each split kernel's limit is lower)
@@ -563,7 +570,8 @@ def _gemv_by_rows(x: torch.Tensor, blocks: torch.Tensor, qtype: str, rows: int,
     return _split_sums(x, rows, tiles, splits, lambda out, partial, counts: _gemv_rows[(
         tiles, splits)](
         x, blocks, out, partial, counts, rows, x.stride(0), blocks.stride(0), num_blocks,
-        **row_constants(x.shape[0], qtype), SPLIT=splits > 1, num_warps=1))
+        **row_constants(x.shape[0], qtype), SPLIT=splits > 1, **pdl.constants(x.device),
+        num_warps=1))
 
 
 def dequantize(blocks: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:

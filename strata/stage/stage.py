@@ -78,7 +78,8 @@ class Stage:
     def __init__(self, index: int, arch: Architecture, layers: tuple[int, int], num_stages: int,
                  device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
                  cache_size: CacheSize, mtp: bool = False, attention_backend: str = "auto",
-                 compile_layers: bool = False, offload: ExpertOffload | None = None):
+                 compile_layers: bool = False, offload: ExpertOffload | None = None,
+                 dependent_launch: bool = True):
         self.index, self.layers, self.device, self.dtype = index, layers, device, dtype
         self.arch, self.cache_size, self.offload = arch, cache_size, offload
         self.experts: ExpertCaches | None = None  # set by load() with --experts-in-ram
@@ -91,6 +92,9 @@ class Stage:
         self.module.rotary.reset(device)
         if device.type == "cuda" and compile_layers:
             enable_compile()
+        if device.type == "cuda" and triton_available():
+            from strata.layers import pdl
+            pdl.enabled = dependent_launch  # this process's kernels (one config per process)
         self.backend = get_backend(attention_backend, device)
 
         def cache(layer: int) -> Cache:
@@ -251,4 +255,5 @@ def build_stage(config, model_config, index: int, cache_size: CacheSize,
     return Stage(index, arch, ranges[index], len(ranges), config.stage_device(index), dtype,
                  config.kv_dtype(), cache_size, mtp=mtp,
                  attention_backend=config.attention_backend,
-                 compile_layers=config.compile == "on", offload=ExpertOffload.of(config))
+                 compile_layers=config.compile == "on", offload=ExpertOffload.of(config),
+                 dependent_launch=config.pdl == "on")

@@ -1,0 +1,81 @@
+"""strata/layers/pdl.py: programmatic dependent launch is on only where the GPU has it and
+`--pdl` leaves it on; every kernel that takes it waits for the previous kernel before
+anything else; compiled for SM90 a kernel carries the griddepcontrol instructions, for
+SM86 none."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compile_kernel, offline_compiled
+
+pytest.importorskip("triton")
+from strata.layers import pdl  # noqa: E402
+
+SOURCES = Path(pdl.__file__).parents[1]
+
+
+def test_off_on_the_cpu_and_when_disabled(monkeypatch):
+    assert pdl.constants(torch.device("cpu")) == dict(PDL=False)
+    monkeypatch.setattr(pdl, "supported", lambda device: True)
+    assert pdl.constants(torch.device("cuda:0")) == dict(PDL=True, launch_pdl=True)
+    monkeypatch.setattr(pdl, "enabled", False)
+    assert pdl.constants(torch.device("cuda:0")) == dict(PDL=False)
+
+
+def test_the_flag_takes_on_or_off():
+    from strata.config import EngineConfig
+    from strata.errors import StrataError
+
+    assert EngineConfig().pdl == "on" and EngineConfig(pdl="off").pdl == "off"
+    with pytest.raises(StrataError, match="--pdl sometimes is not one of on, off"):
+        EngineConfig(pdl="sometimes")
+
+
+def pdl_kernels() -> dict[str, ast.FunctionDef]:
+    """Every function of strata/ with a PDL parameter, by module and name."""
+    found = {}
+    for path in SOURCES.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any(
+                    a.arg == "PDL" for a in node.args.args) and path.name != "pdl.py":
+                found[f"{path.relative_to(SOURCES)}:{node.name}"] = node
+    return found
+
+
+def test_every_kernel_waits_before_anything_else():
+    """pdl.py's first rule: nothing before `wait` reads what an earlier kernel wrote or
+    writes anything; the kernels keep it by calling `wait` first. And each releases."""
+    kernels = pdl_kernels()
+    assert len(kernels) >= 15, sorted(kernels)
+    for name, node in kernels.items():
+        body = [s for s in node.body if not (isinstance(s, ast.Expr)
+                                             and isinstance(s.value, ast.Constant))]
+        assert ast.unparse(body[0]) == "pdl.wait(PDL)", name
+        calls = [ast.unparse(n) for n in ast.walk(node) if isinstance(n, ast.Call)]
+        assert "pdl.release(PDL)" in calls, name
+
+
+def _compiled_ptx(arch: int) -> str:
+    from strata.layers import moe_triton
+
+    def types(name: str) -> str:
+        return "*fp32" if name == "out_ptr" else "*bf16" if name == "y_ptr" else "i32"
+
+    kernel = compile_kernel(moe_triton._combine, arch, dict(TOP_K=8, BLOCK_H=512), types,
+                            dict(num_warps=4, num_stages=2))
+    return kernel.asm["ptx"]
+
+
+def _griddepcontrol(arch: int) -> int:
+    ptx = _compiled_ptx(arch)
+    return int("griddepcontrol.wait" in ptx) + int("griddepcontrol.launch_dependents" in ptx)
+
+
+def test_sm90_kernels_carry_griddepcontrol_and_sm86_ones_do_not(tmp_path):
+    code = ("from test_pdl import _griddepcontrol\n"
+            "print(_griddepcontrol(90), _griddepcontrol(86))")
+    assert offline_compiled(code, tmp_path) == [2, 0]
