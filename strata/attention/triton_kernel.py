@@ -52,7 +52,8 @@ def _paged_attention(
         BLOCK_M: tl.constexpr, GROUP_BLOCK: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE_FP32: tl.constexpr,
         NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+    if PDL:
+        pdl.wait()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_CHUNKS
     chunk = tl.program_id(1) % HEAD_CHUNKS
@@ -112,7 +113,8 @@ def _paged_attention(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    pdl.release(PDL)
+    if PDL:
+        pdl.release()
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_rows = (first + token) * stride_ot + head * stride_oh
@@ -134,7 +136,8 @@ def _combine_splits(
         PDL: tl.constexpr):
     """One program per (token, head): the splits' partial softmaxes rescaled to their
     common maximum and summed."""
-    pdl.wait(PDL)
+    if PDL:
+        pdl.wait()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     split = tl.arange(0, NUM_SPLITS)
@@ -144,7 +147,8 @@ def _combine_splits(
     total = tl.sum(tl.load(split_ml_ptr + part * 2 + 1) * weight, axis=0)
     dim = tl.arange(0, BLOCK_D)
     acc = tl.load(split_acc_ptr + part[:, None] * BLOCK_D + dim[None, :])        # [S, D]
-    pdl.release(PDL)
+    if PDL:
+        pdl.release()
     out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dim,
              out.to(out_ptr.dtype.element_ty), mask=dim < HEAD_DIM)
@@ -222,7 +226,8 @@ def _write_kv(k_ptr, v_ptr, key_ptr, value_ptr, slot_ptr,
               stride_kt, stride_kh, stride_vt, stride_vh,
               HD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program t writes token t's keys and values [Hkv, D] to cache row slot_mapping[t]."""
-    pdl.wait(PDL)
+    if PDL:
+        pdl.wait()
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     ok = i < HD
@@ -230,7 +235,8 @@ def _write_kv(k_ptr, v_ptr, key_ptr, value_ptr, slot_ptr,
     row = tl.load(slot_ptr + t).to(tl.int64) * HD
     k = tl.load(k_ptr + t * stride_kt + head * stride_kh + d, mask=ok)
     v = tl.load(v_ptr + t * stride_vt + head * stride_vh + d, mask=ok)
-    pdl.release(PDL)
+    if PDL:
+        pdl.release()
     tl.store(key_ptr + row + i, k, mask=ok)
     tl.store(value_ptr + row + i, v, mask=ok)
 

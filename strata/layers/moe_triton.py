@@ -162,7 +162,8 @@ def _gate_up(x_ptr, gate_ptr, up_ptr, h_ptr,           # [T, H], [E, I, H] x2, [
              stride_xt, stride_ge, stride_gi, stride_ue, stride_ui, stride_ht,
              BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              DOT_FP32: tl.constexpr, CACHED: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+    if PDL:
+        pdl.wait()
     row, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
                                                        inter, BLOCK_N, CACHED)  # cols: rows of I
     gate = gate_ptr + row * stride_ge + cols.to(tl.int64)[None, :] * stride_gi
@@ -184,7 +185,8 @@ def _gate_up(x_ptr, gate_ptr, up_ptr, h_ptr,           # [T, H], [E, I, H] x2, [
             u = tl.load(up + k[:, None], mask=w_ok, other=0.0)
             acc_g += _dot(x, g, DOT_FP32)
             acc_u += _dot(x, u, DOT_FP32)
-        pdl.release(PDL)
+        if PDL:
+            pdl.release()
         _store_act(acc_g, acc_u, h_ptr, h_ptr + (start + slot).to(tl.int64)[:, None] * stride_ht,
                    slot_ok, cols, col_ok)
 
@@ -196,7 +198,8 @@ def _down(h_ptr, down_ptr, weights_ptr, out_ptr,        # [T*k, I], [E, H, I], [
           stride_ht, stride_de, stride_dh, stride_ot,
           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           DOT_FP32: tl.constexpr, CACHED: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+    if PDL:
+        pdl.wait()
     row, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
                                                        hidden, BLOCK_N, CACHED)  # cols: rows of H
     down = down_ptr + row * stride_de + cols.to(tl.int64)[None, :] * stride_dh
@@ -211,7 +214,8 @@ def _down(h_ptr, down_ptr, weights_ptr, out_ptr,        # [T*k, I], [E, H, I], [
             h = tl.load(rows + k[None, :], mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(down + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc += _dot(h, w, DOT_FP32)
-        pdl.release(PDL)
+        if PDL:
+            pdl.release()
         _store_weighted(acc, out_ptr, weights_ptr, order_ptr, start, slot, slot_ok, cols,
                         col_ok, stride_ot)
 
@@ -244,7 +248,8 @@ def _gate_up_q(x_ptr, gate_ptr, up_ptr, h_ptr,        # [T, H], [E, I, bytes] u8
                UP_FORMAT: tl.constexpr, UP_C: tl.constexpr, UP_OFFSET: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
                DOT_FP32: tl.constexpr, CACHED: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+    if PDL:
+        pdl.wait()
     row, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
                                                        inter, BLOCK_N, CACHED)  # cols: rows of I
     gate = row * stride_ge + cols.to(tl.int64) * stride_gi  # byte offsets
@@ -259,7 +264,8 @@ def _gate_up_q(x_ptr, gate_ptr, up_ptr, h_ptr,        # [T, H], [E, I, bytes] u8
                          GATE_FORMAT, GATE_C, BLOCK_T, GATE_OFFSET, USE_DOT, DOT_FP32)
         acc_u = _project(acc, rows, count - first, up_ptr, up, col_ok, up_groups,
                          UP_FORMAT, UP_C, BLOCK_T, UP_OFFSET, USE_DOT, DOT_FP32)
-        pdl.release(PDL)
+        if PDL:
+            pdl.release()
         _store_act(acc_g, acc_u, h_ptr, h_ptr + (start + slot).to(tl.int64)[:, None] * stride_ht,
                    slot_ok, cols, col_ok)
 
@@ -272,7 +278,8 @@ def _down_q(h_ptr, down_ptr, weights_ptr, out_ptr,    # [T*k, I], [E, H, bytes] 
             FORMAT: tl.constexpr, C: tl.constexpr, HAS_OFFSET: tl.constexpr,
             BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
             DOT_FP32: tl.constexpr, CACHED: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+    if PDL:
+        pdl.wait()
     row, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
                                                        hidden, BLOCK_N, CACHED)  # cols: rows of H
     down = row * stride_de + cols.to(tl.int64) * stride_dh  # byte offsets
@@ -283,7 +290,8 @@ def _down_q(h_ptr, down_ptr, weights_ptr, out_ptr,    # [T*k, I], [E, H, bytes] 
         acc = _project(tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), rows, count - first,
                        down_ptr, down, col_ok, down_groups, FORMAT, C, BLOCK_T, HAS_OFFSET,
                        USE_DOT, DOT_FP32)
-        pdl.release(PDL)
+        if PDL:
+            pdl.release()
         _store_weighted(acc, out_ptr, weights_ptr, order_ptr, start, slot, slot_ok, cols,
                         col_ok, stride_ot)
 
@@ -315,7 +323,8 @@ def _gate_up_q_rows(x_ptr, gate_ptr, up_ptr, h_ptr,   # [T, H], [E, I, bytes] u8
                     CACHED: tl.constexpr, PDL: tl.constexpr):
     """A window of a few tokens: ROWS rows of I of one expert, each pair in turn, the
     blocks walked whole (the pairs of one expert re-read its rows: from L2)."""
-    pdl.wait(PDL)
+    if PDL:
+        pdl.wait()
     row, count, start, rows, row_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
                                                        inter, ROWS, CACHED)
     safe = tl.where(row_ok, rows, 0).to(tl.int64)
@@ -329,7 +338,8 @@ def _gate_up_q_rows(x_ptr, gate_ptr, up_ptr, h_ptr,   # [T, H], [E, I, bytes] u8
                      GATE_BYTES, GATE_VALUES)
         u = _row_dot(zero, up_ptr, up, x_row, up_blocks, UP_FORMAT, UP_G, UP_C, UP_BYTES,
                      UP_VALUES)
-        pdl.release(PDL)
+        if PDL:
+            pdl.release()
         tl.store(h_ptr + (start + s).to(tl.int64) * stride_ht + rows,
                  _act(g, u, h_ptr.dtype.element_ty), mask=row_ok)
 
@@ -341,7 +351,8 @@ def _down_q_rows(h_ptr, down_ptr, weights_ptr, out_ptr,  # [T*k, I], [E, H, byte
                  FORMAT: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
                  BLOCK_BYTES: tl.constexpr, BLOCK_VALUES: tl.constexpr, ROWS: tl.constexpr,
                  CACHED: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+    if PDL:
+        pdl.wait()
     row, count, start, rows, row_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
                                                        hidden, ROWS, CACHED)
     down = row * stride_de + tl.where(row_ok, rows, 0).to(tl.int64) * stride_dh
@@ -351,7 +362,8 @@ def _down_q_rows(h_ptr, down_ptr, weights_ptr, out_ptr,  # [T*k, I], [E, H, byte
                        h_ptr + (start + s).to(tl.int64) * stride_ht, down_blocks, FORMAT, G,
                        C, BLOCK_BYTES, BLOCK_VALUES)
         weight = tl.load(weights_ptr + pair).to(tl.float32)
-        pdl.release(PDL)
+        if PDL:
+            pdl.release()
         tl.store(out_ptr + pair.to(tl.int64) * stride_ot + rows, acc * weight, mask=row_ok)
 
 
@@ -429,14 +441,16 @@ def _check(x, experts, weights, gate_proj, up_proj, down_proj) -> None:
 def _combine(out_ptr, y_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
              PDL: tl.constexpr):
     """y[t] = the sum of out's rows t*k .. t*k + k - 1 in order (fp32), in y's dtype."""
-    pdl.wait(PDL)
+    if PDL:
+        pdl.wait()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < hidden
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(out_ptr + (token * TOP_K + j) * hidden + cols, mask=ok, other=0.0)
-    pdl.release(PDL)
+    if PDL:
+        pdl.release()
     dtype = y_ptr.dtype.element_ty
     tl.store(y_ptr + token * hidden + cols, _rounded(acc, dtype).to(dtype), mask=ok)
 
@@ -465,8 +479,10 @@ def _route_pairs(experts_ptr, counts_ptr, starts_ptr, order_ptr, listed_ptr,
                  PAIRS: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr,
                  PDL: tl.constexpr):
     """One program: `_group_pairs` (the fused kernels launch meanwhile)."""
-    pdl.wait(PDL)
-    pdl.release(PDL)
+    if PDL:
+        pdl.wait()
+    if PDL:
+        pdl.release()
     _group_pairs(experts_ptr, counts_ptr, starts_ptr, order_ptr, listed_ptr, num_pairs,
                  num_experts, num_listed, PAIRS, EXPERTS, CHUNK)
 

@@ -4,8 +4,15 @@ A decode window runs a chain of small kernels, each reading what the one before 
 Launched plainly, a kernel's programs start only once the previous kernel has finished:
 the GPU idles between the two (about 0.7 us a boundary on the H200: benchmarks/README.md).
 With PDL a kernel is launched while the previous one finishes: its programs start, and
-`wait` holds them until the previous kernel has completed and its writes are visible;
-each kernel calls `release` once its main loop is done, which lets the next launch.
+`wait` (griddepcontrol.wait) holds them until the previous kernel has completed and its
+writes are visible; each kernel calls `release` (griddepcontrol.launch_dependents) once
+its main loop is done, which lets the next launch. A kernel calls them as
+
+    if PDL:
+        pdl.wait()
+
+(a constexpr test, not a helper function: triton's interpreter runs a nested jit call
+at ~1.5 ms, which in the CPU tests' engines added up to minutes).
 
 Every kernel with a PDL constexpr keeps two rules:
 - before its `wait` it neither reads memory that an earlier kernel writes nor writes any
@@ -20,18 +27,17 @@ PDL needs compute capability 9.0 (the griddepcontrol instructions). Elsewhere (a
 launch is plain. `enabled` switches it off everywhere (benchmarks compare both).
 """
 
-# NOTE: no `from __future__ import annotations` here: triton reads the kernels'
-# `tl.constexpr` annotations as objects.
+from __future__ import annotations
+
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # a triton older than griddepcontrol: `supported` says no
-    gdc_wait = gdc_launch_dependents = None
+try:  # the griddepcontrol instructions, called by the kernels under `if PDL:`
+    from triton.language.extra.cuda import gdc_launch_dependents as release
+    from triton.language.extra.cuda import gdc_wait as wait
+except ImportError:  # a triton older than them: `supported` says no
+    wait = release = None
 
 enabled = True
 
@@ -40,7 +46,7 @@ enabled = True
 def supported(device: torch.device) -> bool:
     """Does `device` take PDL launches? CUDA of compute capability 9.0 or more, and a
     triton that has griddepcontrol."""
-    return (device.type == "cuda" and gdc_wait is not None
+    return (device.type == "cuda" and wait is not None
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
@@ -49,18 +55,3 @@ def constants(device: torch.device) -> dict:
     if enabled and supported(device):
         return dict(PDL=True, launch_pdl=True)
     return dict(PDL=False)
-
-
-@triton.jit
-def wait(PDL: tl.constexpr):
-    """Hold this program until the previous kernel has completed and its writes are
-    visible (nothing where PDL is off)."""
-    if PDL:
-        gdc_wait()
-
-
-@triton.jit
-def release(PDL: tl.constexpr):
-    """Let the next kernel launch once every program of this one has released or ended."""
-    if PDL:
-        gdc_launch_dependents()

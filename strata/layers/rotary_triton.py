@@ -28,7 +28,8 @@ from strata.layers import pdl
 def _norm_rotate(q_ptr, k_ptr, q_out, k_out, q_weight, k_weight, cos_ptr, sin_ptr, pos_ptr,
                  stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads, eps,
                  D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+    if PDL:
+        pdl.wait()
     t = tl.program_id(0)
     h = tl.program_id(1)
     dtype = q_out.dtype.element_ty
@@ -56,7 +57,8 @@ def _norm_rotate(q_ptr, k_ptr, q_out, k_out, q_weight, k_weight, cos_ptr, sin_pt
     sin = tl.load(sin_ptr + pos * D + i).to(dtype).to(tl.float32)
     a = (x * cos).to(dtype).to(tl.float32)
     b = ((sign * x_partner) * sin).to(dtype).to(tl.float32)
-    pdl.release(PDL)
+    if PDL:
+        pdl.release()
     tl.store(dst + i, (a + b).to(dtype))
 
 

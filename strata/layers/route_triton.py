@@ -69,12 +69,14 @@ def _top_k(logits, t, t_ok, e, weights_ptr, experts_ptr, TOP_K: tl.constexpr,
 def _softmax_top_k(logits_ptr, weights_ptr, experts_ptr, num_experts, stride_t,
                    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                    RENORMALISE: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+    if PDL:
+        pdl.wait()
     t = tl.zeros([1], dtype=tl.int64) + tl.program_id(0)  # the token, as a 1-row tile
     e = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + t[:, None] * stride_t + e[None, :],
                      mask=(e < num_experts)[None, :], other=-float("inf")).to(tl.float32)
-    pdl.release(PDL)
+    if PDL:
+        pdl.release()
     _top_k(logits, t, t >= 0, e, weights_ptr, experts_ptr, TOP_K, BLOCK_E, BLOCK_K,
            RENORMALISE)
 
@@ -88,7 +90,8 @@ def _route_window(x_ptr, router_ptr, logits_ptr, weights_ptr, experts_ptr,
                   TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                   RENORMALISE: tl.constexpr, PAIRS: tl.constexpr, CHUNK: tl.constexpr,
                   PDL: tl.constexpr):
-    pdl.wait(PDL)
+    if PDL:
+        pdl.wait()
     t = tl.arange(0, T_PAD)
     t_ok = t < num_tokens
     if ROUTER:  # program e: expert e's logit for every token, then count in
@@ -102,13 +105,15 @@ def _route_window(x_ptr, router_ptr, logits_ptr, weights_ptr, experts_ptr,
             x = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_xt + k[None, :],
                         mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(x * w[None, :], axis=1)
-        pdl.release(PDL)  # the fused kernels launch while the last program routes
+        if PDL:  # the fused kernels launch while the last program routes
+            pdl.release()
         logit = _rounded(acc, x_ptr.dtype.element_ty)  # as the matmul writes them
         tl.store(logits_ptr + t * stride_lt + expert, logit, mask=t_ok)
         tl.debug_barrier()
         last = tl.atomic_add(arrived_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1
     else:
-        pdl.release(PDL)
+        if PDL:
+            pdl.release()
         last = tl.program_id(0) == 0
     if last:
         e = tl.arange(0, BLOCK_E)

@@ -226,7 +226,8 @@ def _gemv(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uint8, [
           FORMAT: tl.constexpr, C: tl.constexpr, T_PAD: tl.constexpr,
           BLOCK_N: tl.constexpr, HAS_OFFSET: tl.constexpr, USE_DOT: tl.constexpr,
           DOT_FP32: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+    if PDL:
+        pdl.wait()
     tile = tl.program_id(0)
     split = tl.program_id(1)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -243,7 +244,8 @@ def _gemv(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uint8, [
                           C, T_PAD, HAS_OFFSET, USE_DOT, DOT_FP32)
         acc = _accumulate(acc, x_ptr, stride_xt, num_tokens, k_hi, q_hi, s_hi, o_hi,
                           C, T_PAD, HAS_OFFSET, USE_DOT, DOT_FP32)
-    pdl.release(PDL)
+    if PDL:
+        pdl.release()
     t = tl.arange(0, T_PAD)
     _finish(acc, out_ptr, partial_ptr, count_ptr,
             t[:, None].to(tl.int64) * num_rows + rows[None, :], num_tokens * num_rows,
@@ -406,7 +408,8 @@ def _gemv_rows(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uin
                BLOCK_BYTES: tl.constexpr, BLOCK_VALUES: tl.constexpr, TOKENS: tl.constexpr,
                T_PAD: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
                PDL: tl.constexpr):
-    pdl.wait(PDL)
+    if PDL:
+        pdl.wait()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_rows
     row_start = tl.where(row_ok, rows, 0).to(tl.int64) * stride_row
@@ -423,7 +426,8 @@ def _gemv_rows(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uin
             y = _block_dot(q_a, s_a, o_a, q_b, s_b, o_b,
                            x_ptr + token * stride_xt + b * BLOCK_VALUES, first, second, C)
             acc = tl.where(t[:, None] == token, acc + y[None, :], acc)
-    pdl.release(PDL)
+    if PDL:
+        pdl.release()
     _finish(acc, out_ptr, partial_ptr, count_ptr,
             t[:, None].to(tl.int64) * num_rows + rows[None, :], TOKENS * num_rows,
             (t < TOKENS)[:, None] & row_ok[None, :], SPLIT)
