@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -70,9 +71,17 @@ def inputs(tokens: int, heads: int, kv_heads: int, dim: int, dtype=torch.float32
 
 def run_both(batch: AttentionBatch, qkv, pair, scale=None):
     """(reference output, triton output) of the same q, k, v, each on its cache of `pair`;
-    the caches agree afterwards."""
-    outs = [backend.forward(*qkv, cache, backend.prepare(batch, CPU), scale)
-            for backend, cache in zip((get_backend("reference"), get_backend("triton")), pair)]
+    the caches agree afterwards. The kernel splits its key walks as on a GPU (16 splits
+    for windows of up to 64 tokens; engines on the CPU take one)."""
+    from strata.attention import triton_kernel
+
+    def as_on_a_gpu(tokens, device, real=triton_kernel.num_splits):
+        return real(tokens, torch.device("cuda"))
+
+    with mock.patch.object(triton_kernel, "num_splits", as_on_a_gpu):
+        outs = [backend.forward(*qkv, cache, backend.prepare(batch, CPU), scale)
+                for backend, cache in zip((get_backend("reference"), get_backend("triton")),
+                                          pair)]
     assert torch.equal(pair[0].key, pair[1].key) and torch.equal(pair[0].value, pair[1].value)
     return outs
 
@@ -104,10 +113,11 @@ def test_odd_head_dims_and_block_sizes(dim, block_size, heads):
     torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("splits", [None, 1, 4])
+@pytest.mark.parametrize("splits", [16, 1, 4])
 def test_long_contexts_split_their_walk(splits):
     """Decoding and verifying over hundreds of positions: the key walk split over programs
-    (the default for so few tokens: 16 splits, most with keys), over 4, or not at all."""
+    (a GPU's default for so few tokens: 16 splits, most with keys), over 4, or not at
+    all."""
     from strata.attention import triton_kernel
 
     batch = window([(600, 1), (290, 4)], block_size=16)
@@ -122,7 +132,9 @@ def test_long_contexts_split_their_walk(splits):
                                         meta.block_tables, meta.tile_entry, meta.tile_start,
                                         meta.tile_count, 16, 64 ** -0.5, splits=splits)
     torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
-    assert triton_kernel.num_splits(3 * 2) == 16 and triton_kernel.num_splits(200) == 1
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert triton_kernel.num_splits(3 * 2, gpu) == 16 and triton_kernel.num_splits(200, gpu) == 1
+    assert triton_kernel.num_splits(3 * 2, cpu) == 1
 
 
 def test_positions_rewritten_after_a_rejection():

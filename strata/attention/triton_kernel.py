@@ -175,12 +175,15 @@ def kernel_constants(head_dim: int, group: int, q_dtype: torch.dtype, kv_dtype: 
     return constants, num_warps
 
 
-def num_splits(tokens: int) -> int:
-    """Splits of each program's key walk for a window of `tokens` tokens: MAX_SPLITS for
-    decoding and verifying windows (a few tiles: the GPU would idle), 1 for prompt chunks.
-    Two values by the window's size alone: graph buckets of both sizes compile both at
-    capture, so no window compiles a new variant while serving."""
-    return MAX_SPLITS if tokens <= SPLIT_TOKENS else 1
+def num_splits(tokens: int, device: torch.device) -> int:
+    """Splits of each program's key walk for a window of `tokens` tokens on `device`:
+    MAX_SPLITS for decoding and verifying windows on a GPU (a few tiles: the GPU would
+    idle), 1 for prompt chunks. Two values by the window's size alone: graph buckets of
+    both sizes compile both at capture, so no window compiles a new variant while serving.
+    On the CPU (triton's interpreter runs the programs one after another) splits only add
+    programs: 1 (a CPU test's engine ran 8x slower with 16; the kernel tests ask for
+    splits explicitly)."""
+    return MAX_SPLITS if tokens <= SPLIT_TOKENS and device.type == "cuda" else 1
 
 
 def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -198,7 +201,7 @@ def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                             block_size)
     out = torch.empty_like(q)
     grid = (tile_entry.shape[0], kv_heads * constants["HEAD_CHUNKS"])
-    splits = splits or num_splits(tokens)
+    splits = splits or num_splits(tokens, q.device)
     block_d = constants["BLOCK_D"]
     if splits > 1:  # the partials, allocated by the launch's shape (graphs capture them)
         split_acc = torch.empty(splits, tokens, heads, block_d, dtype=torch.float32,
