@@ -481,7 +481,6 @@ def _route_pairs(experts_ptr, counts_ptr, starts_ptr, order_ptr, listed_ptr,
     """One program: `_group_pairs` (the fused kernels launch meanwhile)."""
     if PDL:
         pdl.wait()
-    if PDL:
         pdl.release()
     _group_pairs(experts_ptr, counts_ptr, starts_ptr, order_ptr, listed_ptr, num_pairs,
                  num_experts, num_listed, PAIRS, EXPERTS, CHUNK)
