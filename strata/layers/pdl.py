@@ -24,7 +24,8 @@ usual, and a PDL kernel after one of those starts once it has finished.
 
 PDL needs compute capability 9.0 (the griddepcontrol instructions). Elsewhere (an RTX
 3090, CPU tensors under triton's interpreter) `constants` turns the calls off and the
-launch is plain. `enabled` switches it off everywhere (benchmarks compare both).
+launch is plain. `enabled` switches it off in this process: each stage sets it from
+`--pdl` (EngineConfig.pdl), so benchmarks compare both.
 """
 
 from __future__ import annotations
