@@ -54,6 +54,10 @@ def server_process(*flags: str, log: Path, timeout: float = 180):
 
 def metric(base: str, name: str) -> float:
     """Sum of a Prometheus metric's samples whose line starts with `name`."""
-    text = httpx.get(f"{base}/metrics", timeout=5).text
+    return metric_text(httpx.get(f"{base}/metrics", timeout=5).text, name)
+
+
+def metric_text(text: str, name: str) -> float:
+    """Sum of the samples in Prometheus text whose line starts with `name`."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name))

@@ -32,6 +32,7 @@ ORIGIN = "http://good.example"
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "serve.log"
     with running_server("--parallel", "4", "--api-key", KEY, "--max-context", "1024",
+                        "--engine-process", "on",
                         "--max-body-bytes", "65536", "--body-timeout", "2",
                         "--allowed-origins", ORIGIN, log=log) as (base, seen):
         yield base, seen, log
@@ -382,7 +383,8 @@ def small(tmp_path_factory):
     of this file stops it with SIGTERM."""
     log = tmp_path_factory.mktemp("small") / "serve.log"
     with server_process("--parallel", "1", "--max-queue", "1", "--sse-keepalive", "0.3",
-                        "--shutdown-timeout", "2", log=log) as (base, _, proc):
+                        "--shutdown-timeout", "2", "--engine-process", "on",
+                        log=log) as (base, _, proc):
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
         yield base, client, proc, log
 

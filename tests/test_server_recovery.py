@@ -168,3 +168,52 @@ def test_a_model_that_never_loads_exits_non_zero_with_the_reason(tiny_models, tm
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("strata: error: the model failed to load") and "tokenizer.json" in last
     assert "giving up" in last and "Traceback" not in stderr
+
+
+def test_engine_process_killed_under_a_stream_is_restarted(tmp_path):
+    """--engine-process on: SIGKILL the engine's own process (what a crash in a kernel or
+    the OOM killer does) under a stream: the stream ends with an OpenAI-shaped 503 naming
+    it, /health says so, and a new engine process serves the next request."""
+    log = tmp_path / "serve.log"
+    with server_process("--engine-process", "on", "--parallel", "2", "--max-context", "512",
+                        log=log) as (base, _, proc):
+        engines = stage_pids(proc.pid)
+        assert len(engines) == 1, "one engine process, spawned by the server"
+        model = httpx.get(f"{base}/v1/models", timeout=5).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "1, 2, 3,", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{base}/v1/completions", json=body,
+                          timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {") and not events:
+                    os.kill(engines[0], signal.SIGKILL)
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and error["message"] == (
+            "the engine process exited (signal 9); the engine is restarting"), error
+        wait_healthy(base)
+        assert metric(base, "strata_engine_restarts_total") == 1
+        assert set(stage_pids(proc.pid)).isdisjoint(engines)
+        reply = httpx.post(f"{base}/v1/completions", timeout=60, json={
+            "model": model, "prompt": "The capital of France is", "max_tokens": 4,
+            "temperature": 0})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+    assert "Traceback" not in log.read_text()
+
+
+def test_an_engine_process_that_cannot_load_exits_with_its_reason():
+    """The engine process's own load failure (here the scheduler's: a pool smaller than one
+    request's context) reaches the server's last line, with no traceback."""
+    port = free_port()
+    proc = subprocess.run(
+        [sys.executable, "-m", "strata.cli", "serve", "--port", str(port), "--engine-process",
+         "on", "--kv-tokens", "16", "--max-restarts", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("strata: error: the model failed to load: --kv-tokens 16 holds "
+                           "fewer tokens than --max-context"), last
+    assert "Traceback" not in proc.stderr

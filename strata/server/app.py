@@ -56,10 +56,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     def model_card() -> dict:
-        llm = engine.llm
+        info = engine.info
         return {"id": model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "strata",
-                "max_model_len": llm.engine.max_context if llm is not None else None}
+                "max_model_len": info.max_context if info is not None else None}
 
     @app.get("/v1/models")
     async def models():
@@ -81,13 +81,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
         if req.model != model_name:
             raise APIError(404, f"model '{req.model}' not found; this server serves "
                                 f"'{model_name}'", "model")
-        llm = engine.llm
-        if not engine.ready or llm is None:
+        tokenizer = engine.tokenizer
+        if not engine.ready or tokenizer is None:
             status, reason = engine.health
             raise APIError(503, f"the model is not ready ({status}"
                                 f"{': ' + reason if reason else ''})",
                            headers={"Retry-After": "5"})
-        return req, llm.tokenizer
+        return req, tokenizer
 
     def submit(prompt_ids: list[int], params: list) -> list[RequestHandle]:
         try:

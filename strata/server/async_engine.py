@@ -1,18 +1,21 @@
-"""AsyncEngine: the engine loop on its own thread, fed from the asyncio server, and
-restarted when it fails.
+"""AsyncEngine: the engine loop, fed from the asyncio server, and restarted when it fails.
 
-The engine (scheduler, stages, sampler) is touched only by its thread. HTTP handlers
-submit and abort through a command queue; after every window the thread pushes each
-request's new token ids (and logprobs) to that request's asyncio queue. Loading happens on
-the thread too, so the server answers /health (503) while the model loads.
+The loop runs an EngineCore (engine_core.py) on the server's engine thread, or, with
+`--engine-process`, in a child process of its own (engine_process.py) while the engine
+thread only carries commands and Outputs across. Either way the engine (scheduler, stages,
+sampler) is touched by one thread. HTTP handlers submit and abort through a command queue;
+after every window each request's new token ids (and logprobs) reach that request's
+asyncio queue. Loading happens off the event loop, so the server answers /health (503)
+while the model loads.
 
 A request that fails alone (its sampling or drafting raised) ends with its own error; the
 others go on. A failure of the engine itself — a stage process that exited (seen at once by
-the runner's watchdog, also while idle), a hung stage, any exception from a window — fails
-every request in flight with a one-line reason, turns /health 503 ("restarting" and the
-reason) and builds a new engine with new stage processes. Restarts are bounded: more than
-`max_restarts` failures (failed loads included) within RESTART_WINDOW seconds and the
-server gives up and exits non-zero (`on_fatal`), so a supervisor sees it.
+the runner's watchdog, also while idle), a hung stage, any exception from a window, the
+engine process gone — fails every request in flight with a one-line reason, turns /health
+503 ("restarting" and the reason) and builds a new engine (new stage processes, a new
+engine process). Restarts are bounded: more than `max_restarts` failures (failed loads
+included) within RESTART_WINDOW seconds and the server gives up and exits non-zero
+(`on_fatal`), so a supervisor sees it.
 """
 
 from __future__ import annotations
@@ -22,17 +25,23 @@ import gc
 import logging
 import math
 import queue
+import socket
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from multiprocessing.connection import wait
+
 from strata.config import EngineConfig
+from strata.engine.engine import check_prompt
 from strata.errors import StrataError
 from strata.llm import LLM
 from strata.request import Request
 from strata.sampling.params import SamplingParams
+from strata.server.engine_core import EngineCore, EngineInfo, Output, one_line
+from strata.server.engine_process import FAILED, EngineProcess
 from strata.server.metrics import Metrics
 
 log = logging.getLogger("strata.server")
@@ -132,26 +141,26 @@ def deliver_all(deliveries: list[tuple[RequestHandle, Update]]) -> None:
         handle.deliver(update)
 
 
-def one_line(error: BaseException) -> str:
-    """A user-facing reason: a StrataError's own first line; other exceptions only by
-    type (their text may hold internal details; the log has the traceback)."""
-    if isinstance(error, StrataError):
-        return (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return f"the engine raised {type(error).__name__} (see the server log)"
-
-
 class AsyncEngine:
     def __init__(self, config: EngineConfig, checkpoint, metrics: Metrics, max_queue: int,
-                 max_restarts: int = 3):
+                 max_restarts: int = 3, process: bool = False):
+        """`process`: run the engine in a child process of its own (engine_process.py)."""
         self.config, self.metrics, self.max_queue = config, metrics, max_queue
         self.checkpoint = checkpoint
         self.max_restarts = max_restarts
+        self.process = process
         self.status = "loading"   # "loading", "ready", "restarting", "failed", "stopped"
         self.error: str | None = None  # one line: why the status is not "ready"
         self.fatal: str | None = None  # why the server gives up (it exits non-zero)
         self.on_fatal: Callable[[str], None] | None = None
-        self.llm: LLM | None = None
+        self.info: EngineInfo | None = None  # the loaded engine's limits (None: not loaded)
+        self.tokenizer = None                # the model's (set with the first load)
+        self._core: EngineCore | EngineProcess | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # a command came: what wakes the engine thread in process mode (a socket pair)
+        self._wake = socket.socketpair() if process else None
+        for end in self._wake or ():
+            end.setblocking(False)
         self._handles: dict[str, RequestHandle] = {}
         self._unfinished = 0
         self._failures: deque[float] = deque()
@@ -168,12 +177,12 @@ class AsyncEngine:
     def begin_shutdown(self, timeout: float) -> None:
         """Requests still running `timeout` seconds from now are ended with an error."""
         self._shutdown_at = time.monotonic() + timeout
-        self._commands.put(("wake",))
+        self._command(("wake",))
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._commands.put(("wake",))
-        self._thread.join(timeout=10)
+        self._command(("wake",))
+        self._thread.join(timeout=15)
 
     @property
     def ready(self) -> bool:
@@ -181,10 +190,11 @@ class AsyncEngine:
 
     @property
     def health(self) -> tuple[str, str | None]:
-        """(status, one-line reason): the runner's watchdog is read directly, so a stage
-        that died while idle shows here before the engine thread has woken."""
-        llm = self.llm
-        failure = llm.engine.runner.failure if llm is not None and self.status == "ready" else None
+        """(status, one-line reason): the runner's watchdog (or the engine process's exit)
+        is read directly, so a failure while idle shows here before the engine thread has
+        woken."""
+        core = self._core
+        failure = core.failure if core is not None and self.status == "ready" else None
         if failure is not None:
             return "restarting", failure
         return self.status, self.error
@@ -199,45 +209,52 @@ class AsyncEngine:
     def submit(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[RequestHandle]:
         """Queue one request per SamplingParams (the choices of one HTTP request), all or
         none; raises StrataError (a request that cannot run), NotReady or QueueFull."""
-        llm = self.llm
+        info = self.info
         status, reason = self.health
-        if status != "ready" or llm is None:
+        if status != "ready" or info is None:
             raise NotReady(f"the model is not ready ({status}{': ' + reason if reason else ''})")
-        engine = llm.engine
-        engine.check_prompt(prompt_ids)
+        check_prompt(prompt_ids, info.max_context, info.vocab_size)
         limit = self.config.parallel + self.max_queue
         if len(params) > limit:
             raise StrataError(f"n={len(params)} choices need {len(params)} slots, more than "
                               f"--parallel plus --max-queue ({limit}); ask for fewer")
         for p in params:
-            self._check_fits(engine, len(prompt_ids), p)
+            self._check_fits(info, len(prompt_ids), p)
         with self._lock:
             if self._unfinished + len(params) > limit:
                 raise QueueFull(self.retry_after())
             self._unfinished += len(params)
         loop = asyncio.get_running_loop()
-        handles = [RequestHandle(Request(list(prompt_ids), p, llm.eos_token_ids), loop)
+        handles = [RequestHandle(Request(list(prompt_ids), p, info.eos_token_ids), loop)
                    for p in params]
         for handle in handles:
-            self._commands.put(("add", handle))
+            self._command(("add", handle))
         return handles
 
     @staticmethod
-    def _check_fits(engine, prompt: int, params: SamplingParams) -> None:
-        context = engine.max_context
+    def _check_fits(info: EngineInfo, prompt: int, params: SamplingParams) -> None:
+        context = info.max_context
         if params.max_tokens is not None and prompt + params.max_tokens > context:
             raise StrataError(
                 f"this model's context is {context} tokens (--max-context) but the prompt "
                 f"is {prompt} tokens and max_tokens is {params.max_tokens}: lower max_tokens "
                 f"to at most {context - prompt} or shorten the prompt")
-        vocab = engine.model_config.vocab_size
+        vocab = info.vocab_size
         for token, _ in params.logit_bias:
             if token >= vocab:
                 raise StrataError(f"logit_bias: token id {token} is outside the vocabulary "
                                   f"(0..{vocab - 1})")
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._command(("abort", request_id))
+
+    def _command(self, command: tuple) -> None:
+        self._commands.put(command)
+        if self._wake is not None:
+            try:
+                self._wake[1].send(b"\0")
+            except OSError:
+                pass  # wake-ups are already waiting to be read, or the thread has ended
 
     # -- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -254,8 +271,10 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 reason = self._load()
+                if self._stop.is_set():
+                    break
                 if reason is None:
-                    reason = self._serve()
+                    reason = (self._serve_process() if self.process else self._serve())
                     if reason is None:
                         break  # stopped
                     log.error("engine failed: %s; failing the requests in flight", reason)
@@ -269,21 +288,41 @@ class AsyncEngine:
             self._close()
             if self.status == "ready":
                 self.status = "stopped"
+            for end in self._wake or ():
+                end.close()
 
     def _load(self) -> str | None:
         """Build the engine; None when ready, else the one-line reason it failed."""
         try:
-            llm = LLM(self.config, self.checkpoint)
+            if self.process:
+                if self.tokenizer is None:
+                    self.tokenizer = self._checkpoint().load_tokenizer()
+                child = EngineProcess(self.config)
+                self._core = child  # NOTE: closed by _close() whatever happens next
+                info = child.wait_ready(self._stop)
+                if isinstance(info, str):
+                    raise StrataError(info.removeprefix("the model failed to load: "))
+            else:
+                llm = LLM(self.config, self.checkpoint)
+                self._core = EngineCore(llm)
+                self.tokenizer, info = llm.tokenizer, self._core.info
         except Exception as e:  # noqa: BLE001 - any load failure makes the server unhealthy
             if not isinstance(e, StrataError):
                 log.exception("the model failed to load")
+            self._close()
             reason = f"the model failed to load: {one_line(e)}"
             log.error("%s", reason)
             return reason
-        self.llm = llm
+        self.info = info
         self.metrics.slots_total.set(self.config.parallel)
         self.status, self.error = "ready", None
         return None
+
+    def _checkpoint(self):
+        if self.checkpoint is None:
+            from strata.weights.checkpoint import open_checkpoint
+            self.checkpoint = open_checkpoint(self.config.model, self.config.mtp_model)
+        return self.checkpoint
 
     def _pause_before_restart(self, reason: str) -> bool:
         """Count the failure; wait 1, 2, 4, ... s, or give up (False) when more than
@@ -312,34 +351,51 @@ class AsyncEngine:
         return True
 
     def _serve(self) -> str | None:
-        """Run the engine until it is stopped (None) or fails (the one-line reason)."""
-        engine = self.llm.engine
+        """Run the engine on this thread until it is stopped (None) or fails (the one-line
+        reason)."""
+        core = self._core
         while not self._stop.is_set():
-            if engine.runner.failure is not None:  # the watchdog saw a stage process exit
-                return engine.runner.failure
-            self._drain(block=not engine.has_work)
+            if core.failure is not None:  # the watchdog saw a stage process exit
+                return core.failure
+            self._drain(block=not core.has_work)
             self._end_overdue()
-            if engine.has_work:
-                start = time.perf_counter()
+            if core.has_work:
                 try:
-                    updated = engine.step()
-                    engine.launch()  # the next windows compute while these tokens go out
+                    outputs = core.step()
                 except Exception as e:  # noqa: BLE001 - a dead engine fails requests, not hangs
                     if not isinstance(e, StrataError):
                         log.exception("engine failed")
                     return one_line(e)
-                self.metrics.window_seconds.observe(time.perf_counter() - start)
-                self._send([d for d in map(self._push, updated) if d is not None])
-                self.metrics.observe_drafts(engine.draft_stats)
-                if engine.meter is not None:
-                    self.metrics.observe_pricing(engine.meter.pricing)
-                self.metrics.observe_stages(engine.stage_seconds, engine.scheduler_seconds)
-                self.metrics.observe_experts(engine.expert_stats)
-            scheduler = engine.scheduler
-            self.metrics.queue_length.set(len(scheduler.waiting))
-            self.metrics.slots_used.set(scheduler.num_running)
-            self.metrics.observe_cache(scheduler.pool, scheduler.cached_tokens,
-                                       scheduler.preemptions)
+                self._deliver(outputs)
+            self.metrics.observe_core(core.stats())
+        return None
+
+    def _serve_process(self) -> str | None:
+        """Carry commands to the engine process and its Outputs back until the server
+        stops (None) or the engine fails or exits (the one-line reason)."""
+        child = self._core
+        while not self._stop.is_set():
+            wait([child.results, self._wake[0]], timeout=POLL)
+            try:
+                self._wake[0].recv(4096)
+            except BlockingIOError:
+                pass
+            self._drain(block=False)
+            self._end_overdue()
+            try:
+                messages = child.receive()
+            except (EOFError, OSError):
+                child.process.join(1)
+                return child.failure or "the engine process exited"
+            for message in messages:
+                if message[0] == FAILED:
+                    return message[1]
+                _, outputs, stats = message
+                self._deliver(outputs)
+                if stats is not None:
+                    self.metrics.observe_core(stats)
+            if child.failure is not None:
+                return child.failure
         return None
 
     def _drain(self, block: bool) -> None:
@@ -355,54 +411,50 @@ class AsyncEngine:
                 return
 
     def _apply(self, command: tuple) -> None:
-        engine = self.llm.engine
+        core = self._core
         if command[0] == "add":
             handle = command[1]
-            try:
-                engine.add(handle.request)
-            except Exception as e:  # noqa: BLE001 - checked at submit; never the engine's end
-                self._fail(handle, one_line(e), 400)
-                return
             self._handles[handle.request_id] = handle
-            self.metrics.prompt_tokens.inc(handle.prompt_tokens)
+            rejected = core.add(handle.request)
+            if rejected is not None:
+                self._deliver([rejected])
         elif command[0] == "abort":
             handle = self._handles.pop(command[1], None)
             if handle is not None:
-                engine.abort(command[1])  # NOTE: None if it failed and is not reported yet
-                self._finished(handle.request)
+                core.abort(command[1])
+                self._finished("abort")
 
-    def _push(self, request: Request) -> tuple[RequestHandle, Update] | None:
-        """The update that carries the request's new tokens to its handle (None if the
-        request has no handle: aborted)."""
-        handle = self._handles.get(request.request_id)
-        if handle is None:
-            return None
+    def _deliver(self, outputs: list[Output]) -> None:
+        """Hand each Output to its request's handle (none if aborted meanwhile)."""
+        deliveries = []
         now = time.monotonic()
-        handle.started = handle.started or now
-        start = request.num_prompt_tokens + handle.sent
-        ids = request.token_ids[start:]
-        logprobs = (request.logprobs[handle.sent:handle.sent + len(ids)]
-                    if request.logprobs is not None else None)
-        handle.sent += len(ids)
-        self.metrics.generation_tokens.inc(len(ids))
-        final = request.finished
-        if request.finish_reason == "error":
-            update = Update(ids, error=request.error, error_status=500)
-        else:
-            update = Update(ids, request.finish_reason if final else None, logprobs=logprobs,
-                            drafts=request.draft_stats.as_dict() if final else None)
-        if final:
-            del self._handles[request.request_id]
-            self._seconds_per_request += 0.2 * (now - handle.started - self._seconds_per_request)
-            self._finished(request)
-        return handle, update
+        for out in outputs:
+            handle = self._handles.get(out.request_id)
+            if handle is None:
+                continue
+            handle.started = handle.started or now
+            handle.sent += len(out.token_ids)
+            self.metrics.generation_tokens.inc(len(out.token_ids))
+            if out.error is not None:
+                handle.request.fail(out.error)
+                update = Update(out.token_ids, error=out.error, error_status=out.error_status)
+            else:
+                update = Update(out.token_ids, out.finish_reason, drafts=out.drafts,
+                                logprobs=out.logprobs)
+            if out.error is not None or out.finish_reason is not None:
+                del self._handles[out.request_id]
+                self._seconds_per_request += 0.2 * (now - handle.started
+                                                    - self._seconds_per_request)
+                self._finished("error" if out.error is not None else out.finish_reason)
+            deliveries.append((handle, update))
+        self._send(deliveries)
 
     def _end_overdue(self) -> None:
         """After begin_shutdown's timeout: end every request still running."""
         if self._shutdown_at is None or time.monotonic() < self._shutdown_at:
             return
         for request_id, handle in list(self._handles.items()):
-            self.llm.engine.abort(request_id)
+            self._core.abort(request_id)
             self._fail(handle, "the server is shutting down (--shutdown-timeout passed)", 503)
         self._handles.clear()
 
@@ -423,24 +475,25 @@ class AsyncEngine:
         self.metrics.queue_length.set(0)
 
     def _close(self) -> None:
-        llm, self.llm = self.llm, None
-        if llm is not None:
+        core, self._core = self._core, None
+        self.info = None
+        if core is not None:
             try:
-                llm.close()  # stage processes stop with the engine
+                core.close()  # stage processes stop with the engine
             except Exception:  # noqa: BLE001 - closing a failed engine must not fail
                 log.exception("closing the engine failed")
-            del llm
+            del core
             gc.collect()
 
     def _fail(self, handle: RequestHandle, message: str, status: int) -> None:
         handle.request.fail(message)
         self._send([(handle, Update([], error=message, error_status=status))])
-        self._finished(handle.request)
+        self._finished("error")
 
-    def _finished(self, request: Request) -> None:
+    def _finished(self, reason: str | None) -> None:
         with self._lock:
             self._unfinished -= 1
-        self.metrics.requests.labels(request.finish_reason or "unknown").inc()
+        self.metrics.requests.labels(reason or "unknown").inc()
 
     @staticmethod
     def _send(deliveries: list[tuple[RequestHandle, Update]]) -> None:

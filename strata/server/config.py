@@ -49,6 +49,12 @@ class ServerConfig:
     shutdown_timeout: float = field(default=30.0, metadata={
         "help": "on SIGTERM, seconds running requests may take to finish; then they end "
                 "with an error and the server exits"})
+    engine_process: str = field(default="auto", metadata={
+        "help": "run the engine in a process of its own, so that the server's work "
+                "(requests, detokenizing, streaming) never holds up the engine's windows: "
+                "auto (on when the model runs on CUDA, where the GPU waits for the host), "
+                "on, off (the engine on a thread of the server's process)",
+        "choices": ("auto", "on", "off")})
     max_restarts: int = field(default=3, metadata={
         "help": "engine restarts after failures (a stage process died or hung, a load "
                 "failed) within 10 minutes; one failure more and the server exits with "
@@ -73,6 +79,12 @@ class ServerConfig:
             if origin != "*" and "://" not in origin:
                 raise StrataError(f"--allowed-origins: '{origin}' is not an origin; write "
                                   "scheme://host[:port], e.g. http://localhost:3000")
+
+    def runs_engine_process(self, engine_config) -> bool:
+        """--engine-process with auto resolved for `engine_config`'s first stage."""
+        if self.engine_process == "auto":
+            return engine_config.stage_device(0).type == "cuda"
+        return self.engine_process == "on"
 
     @property
     def loopback(self) -> bool:

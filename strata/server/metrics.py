@@ -88,6 +88,7 @@ class Metrics:
         self._stage_seen: list[float] = []
         self._scheduler_seen = 0.0
         self._cached_seen = self._preempted_seen = self._restored_seen = 0
+        self._prompt_seen = 0
 
     def observe_drafts(self, stats) -> None:
         """Add what the engine's DraftStats gained since the last call."""
@@ -99,23 +100,40 @@ class Metrics:
                 self.draft_accepted.labels(name).inc(s.accepted - accepted)
             self._seen[name] = (s.drafted, s.accepted)
 
-    def observe_cache(self, pool, cached_tokens: int, preemptions: int = 0) -> None:
-        """The block pool's state (with its host-RAM conversation cache), the prompt
-        tokens the prefix cache saved and the preemptions, so far."""
-        restored = pool.host.restored_blocks * pool.block_size if pool.host is not None else 0
-        if (cached_tokens < self._cached_seen or preemptions < self._preempted_seen
-                or restored < self._restored_seen):  # a restarted engine counts afresh
+    def observe_core(self, stats) -> None:
+        """Everything a CoreStats (server/engine_core.py) says: the engine's counts since
+        it started (a restarted engine counts afresh) and the steps since the last one."""
+        for seconds in stats.step_seconds:
+            self.window_seconds.observe(seconds)
+        if stats.prompt_tokens < self._prompt_seen:
+            self._prompt_seen = 0
+        self.prompt_tokens.inc(stats.prompt_tokens - self._prompt_seen)
+        self._prompt_seen = stats.prompt_tokens
+        self.observe_drafts(stats.drafts)
+        if stats.pricing is not None:
+            self.observe_pricing(stats.pricing)
+        self.observe_stages(stats.stage_seconds, stats.scheduler_seconds)
+        self.observe_experts(stats.expert_stats)
+        self.queue_length.set(stats.waiting)
+        self.slots_used.set(stats.running)
+        self.observe_cache(stats.cache)
+
+    def observe_cache(self, cache) -> None:
+        """The block pool's state (a CacheStats: with its host-RAM conversation cache),
+        the prompt tokens the prefix cache saved and the preemptions, so far."""
+        if (cache.cached_tokens < self._cached_seen or cache.preemptions < self._preempted_seen
+                or cache.restored_tokens < self._restored_seen):  # a restarted engine
             self._cached_seen = self._preempted_seen = self._restored_seen = 0
-        self.restored_tokens.inc(restored - self._restored_seen)
-        self._restored_seen = restored
-        self.host_blocks.set(len(pool.host) if pool.host is not None else 0)
-        self.cached_tokens.inc(cached_tokens - self._cached_seen)
-        self._cached_seen = cached_tokens
-        self.preemptions.inc(preemptions - self._preempted_seen)
-        self._preempted_seen = preemptions
-        self.cached_blocks.set(pool.num_cached)
-        self.free_blocks.set(pool.num_free)
-        self.used_blocks.set(pool.num_used)
+        self.restored_tokens.inc(cache.restored_tokens - self._restored_seen)
+        self._restored_seen = cache.restored_tokens
+        self.host_blocks.set(cache.host_blocks)
+        self.cached_tokens.inc(cache.cached_tokens - self._cached_seen)
+        self._cached_seen = cache.cached_tokens
+        self.preemptions.inc(cache.preemptions - self._preempted_seen)
+        self._preempted_seen = cache.preemptions
+        self.cached_blocks.set(cache.cached_blocks)
+        self.free_blocks.set(cache.free_blocks)
+        self.used_blocks.set(cache.used_blocks)
 
     def observe_pricing(self, pricing) -> None:
         """The measured draft prices (a DraftPricing) as they stand."""
@@ -125,9 +143,10 @@ class Metrics:
     def observe_stages(self, seconds: list[float], scheduler: float = 0.0) -> None:
         """Add each stage's compute seconds (and the scheduler's) gained since the last
         call."""
-        if scheduler > self._scheduler_seen:
-            self.scheduler_busy.inc(scheduler - self._scheduler_seen)
-            self._scheduler_seen = scheduler
+        if scheduler < self._scheduler_seen:  # a restarted engine counts afresh
+            self._scheduler_seen = 0.0
+        self.scheduler_busy.inc(scheduler - self._scheduler_seen)
+        self._scheduler_seen = scheduler
         if len(self._stage_seen) != len(seconds):
             self._stage_seen = [0.0] * len(seconds)
         for stage, (now, seen) in enumerate(zip(seconds, self._stage_seen)):

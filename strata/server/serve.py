@@ -52,7 +52,8 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     name = server_config.served_model_name or model_name(checkpoint)
     metrics = Metrics()
     engine = AsyncEngine(engine_config, checkpoint, metrics, server_config.max_queue,
-                         server_config.max_restarts)
+                         server_config.max_restarts,
+                         process=server_config.runs_engine_process(engine_config))
     app = build_app(engine, server_config, name, metrics)
     logging.getLogger("strata.server").info(
         "serving '%s' on http://%s:%d/v1 (loading the model; /health answers 503 until it "
