@@ -6,7 +6,9 @@ slots, and the host's share of it (scheduling, headers, metadata, launches, veri
 Each slot carries exactly w - 1 drafts every window (`--simulate-acceptance 0`: drafts are
 made and all rejected, so every window has the same size). "host ms" is the window's time
 minus the time the host waited for the GPU (the in-process runner's collect); on a GPU the
-host and device overlap, so it bounds how fast windows can follow each other.
+host and device overlap, so it bounds how fast windows can follow each other. "device ms"
+is the stages' own time per window (on a GPU: CUDA events around each stage's work, the
+C(w) a draft's tokens add to).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from strata.sampling.params import SamplingParams
 
 
 def measure(config, slots: int, window: int, steps: int,
-            context: int = 64) -> tuple[float, float]:
-    """(median ms per window, host ms per window) for `slots` requests of `window` tokens."""
+            context: int = 64) -> tuple[float, float, float]:
+    """(median ms per window, host ms per window, device ms per window) for `slots`
+    requests of `window` tokens."""
     extra = dict(spec=window - 1, simulate_acceptance=0.0) if window > 1 else dict(spec=0)
     engine = Engine(dataclasses.replace(config, parallel=slots, **extra))
     gen = torch.Generator().manual_seed(slots * 100 + window)
@@ -44,6 +47,7 @@ def measure(config, slots: int, window: int, steps: int,
         return getattr(engine.runner, "device_wait_seconds", 0.0)
 
     wait = waited()
+    device = sum(engine.stage_seconds)
     start = time.perf_counter()
     for _ in range(steps):
         t = time.perf_counter()
@@ -51,8 +55,9 @@ def measure(config, slots: int, window: int, steps: int,
         times.append(time.perf_counter() - t)
     total = time.perf_counter() - start
     host = total - (waited() - wait)
+    device = sum(engine.stage_seconds) - device
     engine.close()
-    return statistics.median(times) * 1e3, host / steps * 1e3
+    return statistics.median(times) * 1e3, host / steps * 1e3, device / steps * 1e3
 
 
 def main() -> int:
@@ -72,10 +77,11 @@ def main() -> int:
     rows, raw = [], []
     for slots in map(int, args.slots.split(",")):
         for window in map(int, args.windows.split(",")):
-            ms, host = measure(config, slots, window, args.steps, args.context)
-            rows.append([slots, window, slots * window, f"{ms:.2f}", f"{host:.2f}",
-                         f"{host / slots:.2f}", f"{slots * 1e3 / ms:.0f}"])
-            raw.append({"slots": slots, "window": window, "ms": ms, "host_ms": host})
+            ms, host, device = measure(config, slots, window, args.steps, args.context)
+            rows.append([slots, window, slots * window, f"{ms:.2f}", f"{device:.2f}",
+                         f"{host:.2f}", f"{host / slots:.2f}", f"{slots * 1e3 / ms:.0f}"])
+            raw.append({"slots": slots, "window": window, "ms": ms, "host_ms": host,
+                        "device_ms": device})
     model = args.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)"
     settings = (f"devices={','.join(config.devices)} dtype={config.torch_dtype()} "
                 f"attention={config.attention_backend} cuda-graphs={config.cuda_graphs} "
@@ -83,7 +89,7 @@ def main() -> int:
                 f"context={args.context}")
     print(f"machine: {machine()}\ncommit: {commit()}\nmodel: {model}\nsettings: {settings}\n")
     print(markdown_table(["slots", "tokens per slot", "window tokens", "ms per window (median)",
-                          "host ms per window", "host ms per slot",
+                          "device ms per window", "host ms per window", "host ms per slot",
                           "tok/s if no draft is accepted"], rows))
     record(args, {"benchmark": "window_speed", "model": model, "settings": settings,
                   "rows": raw})
