@@ -31,7 +31,6 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-
 from multiprocessing.connection import wait
 
 from strata.config import EngineConfig
