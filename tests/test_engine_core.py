@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
+
 from strata.config import EngineConfig
+from strata.errors import StrataError
 from strata.llm import LLM
 from strata.request import Request
 from strata.sampling.params import SamplingParams
@@ -76,3 +79,18 @@ def test_metrics_show_core_stats_and_a_restarted_engine_counts_afresh():
     assert metric_text(text, "strata_scheduler_busy_seconds_total") == 3.5
     assert metric_text(text, "strata_window_seconds_count") == 2
     assert metric_text(text, "strata_slots_used") == 0
+
+
+def test_engine_process_auto_means_a_cuda_first_stage():
+    from strata.server.config import ServerConfig
+
+    cpu, cuda = EngineConfig(devices=("cpu",)), EngineConfig(devices=("cuda:0",))
+    split = EngineConfig(devices=("cuda:0", "cuda:1"), layer_split=(15,))
+    auto = ServerConfig()
+    assert auto.engine_process == "auto"
+    assert not auto.runs_engine_process(cpu)
+    assert auto.runs_engine_process(cuda) and auto.runs_engine_process(split)
+    assert ServerConfig(engine_process="on").runs_engine_process(cpu)
+    assert not ServerConfig(engine_process="off").runs_engine_process(cuda)
+    with pytest.raises(StrataError, match="--engine-process must be auto, on or off"):
+        ServerConfig(engine_process="yes")

@@ -73,6 +73,9 @@ class ServerConfig:
             if not getattr(self, name) > 0:
                 raise StrataError(f"--{name.replace('_', '-')} must be positive "
                                   f"(got {getattr(self, name)})")
+        if self.engine_process not in ("auto", "on", "off"):
+            raise StrataError(f"--engine-process must be auto, on or off (got "
+                              f"{self.engine_process!r})")
         if self.max_restarts < 0:
             raise StrataError(f"--max-restarts must be >= 0 (got {self.max_restarts})")
         for origin in self.allowed_origins:
