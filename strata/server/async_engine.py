@@ -83,11 +83,11 @@ class RequestHandle:
     def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
         self.request_id = request.request_id
         self.prompt_tokens = request.num_prompt_tokens
-        self.request = request  # NOTE: owned by the engine thread; read only its constants here
+        self.request = request  # NOTE: the engine thread's (with an engine process, a copy:
+                                # the child has its own); read only its constants here
         self.loop = loop
         self._pending: list[Update] = []  # event-loop thread: delivered, not yet read
         self._arrived = asyncio.Event()
-        self.sent = 0  # engine thread: output ids pushed so far
         self.started: float | None = None  # engine thread: when its first tokens came
 
     def deliver(self, update: Update) -> None:
@@ -432,7 +432,6 @@ class AsyncEngine:
             if handle is None:
                 continue
             handle.started = handle.started or now
-            handle.sent += len(out.token_ids)
             self.metrics.generation_tokens.inc(len(out.token_ids))
             if out.error is not None:
                 handle.request.fail(out.error)
