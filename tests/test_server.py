@@ -1,5 +1,6 @@
 """`strata serve` with the official `openai` client against a real server process on a
-free loopback port: chat and completions, streamed and not, concurrency, logprobs and n
+free loopback port, its engine in a process of its own (`--engine-process on`; the other
+server tests run it on the server's thread, as `auto` does on the CPU): chat and completions, streamed and not, concurrency, logprobs and n
 choices, the hostile-request list (each a 4xx in OpenAI's shape, the server serving on),
 the guard (key, Host, Origin, stalled bodies), clients that disconnect (streamed or not),
 the queue limit with its keepalive comments and Retry-After, and a bounded SIGTERM."""
