@@ -61,6 +61,8 @@ class Verifier:
         if not sampled and num_rows == len(entries):  # greedy, no drafts: the argmax alone
             token = logits.argmax(dim=-1)
             return torch.stack([torch.zeros_like(token), token])
+        if not sampled:
+            return _greedy(logits, entries)
         layout = _Layout(entries, logits.device)
         if len(sampled) == len(entries):
             return torch.stack(self._sample_and_match(logits, entries, layout))
@@ -118,6 +120,26 @@ class Verifier:
                         e.params.seed, e.position + j, probs.device))
                 row += 1
         return (probs / noise.clamp_min(_TINY)).argmax(dim=-1)      # [R]
+
+
+def _greedy(logits: torch.Tensor, entries: list[VerifyEntry]) -> torch.Tensor:
+    """`decide` for greedy entries with drafts, in few launches (a drafted window's host
+    time is the engine's at several streams): one table copied to the device, holding per
+    entry its first row and, for each draft position and one more, the row whose argmax
+    must equal the draft and the draft (-1 past the entry's drafts: never equal), so the
+    accepted count is the first mismatch's position."""
+    K = max(len(e.draft) for e in entries) + 1
+    table, row = [], 0
+    for e in entries:
+        k = len(e.draft)
+        table.append([row] + [row + min(j, k) for j in range(K)] + e.draft + [-1] * (K - k))
+        row += k + 1
+    t = torch.tensor(table, dtype=torch.long).to(logits.device, non_blocking=True)
+    starts, rows, drafts = t[:, 0], t[:, 1:K + 1], t[:, K + 1:]       # [N], [N, K], [N, K]
+    top = logits.argmax(dim=-1)                                       # [R]
+    miss = (top[rows] != drafts).to(torch.uint8)                      # [N, K], 1 at column k
+    accepted = miss.argmax(dim=1)                                     # the first 1 (argmax
+    return torch.stack([accepted, top[starts + accepted]])            # takes the first max)
 
 
 def emitted(entries: list[VerifyEntry], decided: list[list[int]]) -> list[list[int]]:
