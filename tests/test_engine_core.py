@@ -77,6 +77,11 @@ def test_metrics_show_core_stats_and_a_restarted_engine_counts_afresh():
     text = metrics.render().decode()
     assert metric_text(text, "strata_prompt_tokens_total") == 60
     assert metric_text(text, "strata_scheduler_busy_seconds_total") == 3.5
+    metrics.new_engine()  # a restart the server saw: counts that grew past the last ones
+    metrics.observe_core(CoreStats(prompt_tokens=70, scheduler_seconds=4.0))
+    text = metrics.render().decode()
+    assert metric_text(text, "strata_prompt_tokens_total") == 130
+    assert metric_text(text, "strata_scheduler_busy_seconds_total") == 7.5
     assert metric_text(text, "strata_window_seconds_count") == 2
     assert metric_text(text, "strata_slots_used") == 0
 

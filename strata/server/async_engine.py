@@ -313,6 +313,7 @@ class AsyncEngine:
             log.error("%s", reason)
             return reason
         self.info = info
+        self.metrics.new_engine()
         self.metrics.slots_total.set(self.config.parallel)
         self.status, self.error = "ready", None
         return None

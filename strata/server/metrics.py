@@ -83,6 +83,11 @@ class Metrics:
             "strata_expert_predicted", "--expert-prefetch: distinct experts that layers "
             "with a prediction read (read), and those of them predicted (hit): recall is "
             "hit / read, by stage", ["stage", "result"], registry=r)
+        self.new_engine()
+
+    def new_engine(self) -> None:
+        """An engine (re)started: its counts start from 0, so what was seen of the last
+        one no longer holds."""
         self._seen: dict[str, tuple[int, int]] = {}
         self._expert_seen: dict[int, list[float]] = {}
         self._stage_seen: list[float] = []
