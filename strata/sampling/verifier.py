@@ -63,24 +63,23 @@ class Verifier:
             return torch.stack([torch.zeros_like(token), token])
         if not sampled:
             return _greedy(logits, entries)
-        layout = _Layout(entries, logits.device)
         if len(sampled) == len(entries):
-            return torch.stack(self._sample_and_match(logits, entries, layout))
-        top = logits.argmax(dim=-1)                                      # [R]
-        match = (top[layout.rows] == layout.drafts) & layout.valid       # [N, K]
-        accepted = match.long().cumprod(dim=1).sum(dim=1)                # [N]
-        token = top[layout.starts + accepted]                            # [N]
-        if sampled:  # a mixed batch: the sampled entries' rows, verified apart
-            sub = [entries[i] for i in sampled]
-            rows = [layout.start_list[i] + j for i in sampled
-                    for j in range(len(entries[i].draft) + 1)]
-            index = torch.tensor(sampled).to(logits.device, non_blocking=True)
-            sub_logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
-            sub_accepted, sub_token = self._sample_and_match(sub_logits, sub,
-                                                             _Layout(sub, logits.device))
-            accepted = accepted.index_copy(0, index, sub_accepted)
-            token = token.index_copy(0, index, sub_token)
-        return torch.stack([accepted, token])
+            return torch.stack(self._sample_and_match(logits, entries,
+                                                      _Layout(entries, logits.device)))
+        # a mixed batch: every entry matched greedily, then the sampled entries' rows
+        # verified apart and put in their places
+        accepted, token = _greedy(logits, entries)
+        starts = [0]
+        for e in entries:
+            starts.append(starts[-1] + len(e.draft) + 1)
+        sub = [entries[i] for i in sampled]
+        rows = [starts[i] + j for i in sampled for j in range(len(entries[i].draft) + 1)]
+        index = torch.tensor(sampled).to(logits.device, non_blocking=True)
+        sub_logits = logits[torch.tensor(rows).to(logits.device, non_blocking=True)]
+        sub_accepted, sub_token = self._sample_and_match(sub_logits, sub,
+                                                         _Layout(sub, logits.device))
+        return torch.stack([accepted.index_copy(0, index, sub_accepted),
+                            token.index_copy(0, index, sub_token)])
 
     def simulate(self, logits: torch.Tensor, entries: list[VerifyEntry],
                  probability: float) -> torch.Tensor:
@@ -165,11 +164,9 @@ class _Layout:
     def __init__(self, entries: list[VerifyEntry], device: torch.device):
         ks = [len(e.draft) for e in entries]
         self.K = max(ks)
-        self.start_list: list[int] = []
         table, row = [], 0
         for e, k in zip(entries, ks):
             table.append([row, k] + e.draft + [0] * (self.K - k))
-            self.start_list.append(row)
             row += k + 1
         t = torch.tensor(table, dtype=torch.long).to(device, non_blocking=True)  # [N, 2 + K]
         self.starts, self.ks = t[:, 0], t[:, 1]

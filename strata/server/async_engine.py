@@ -299,8 +299,8 @@ class AsyncEngine:
                 child = EngineProcess(self.config)
                 self._core = child  # NOTE: closed by _close() whatever happens next
                 info = child.wait_ready(self._stop)
-                if isinstance(info, str):
-                    raise StrataError(info.removeprefix("the model failed to load: "))
+                if isinstance(info, str):  # why it did not load, in one line
+                    raise StrataError(info)
             else:
                 llm = LLM(self.config, self.checkpoint)
                 self._core = EngineCore(llm)

@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 
 from strata.config import EngineConfig
 from strata.errors import StrataError
+from strata.llm import LLM
 from strata.request import Request
 from strata.server.engine_core import EngineCore, EngineInfo, one_line
 
@@ -44,13 +45,12 @@ def run(config: EngineConfig, commands: Connection, results: Connection, level: 
                                                 # finishes its requests, then stops this one
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s",
                         stream=sys.stderr)
-    from strata.llm import LLM
     try:
         llm = LLM(config)
     except Exception as e:  # noqa: BLE001 - any load failure is reported, then the child ends
         if not isinstance(e, StrataError):
             log.exception("the model failed to load")
-        results.send((FAILED, f"the model failed to load: {one_line(e)}"))
+        results.send((FAILED, one_line(e)))
         return
     core = EngineCore(llm)
     try:
@@ -113,8 +113,6 @@ class EngineProcess:
         self.process.start()
         commands.close()  # the child's ends: an exited child shows as EOF here
         results.close()
-        self._lock = threading.Lock()  # commands come from the server's engine thread and
-                                       # from close()
         log.info("the engine runs in its own process (pid %d)", self.process.pid)
 
     @property
@@ -151,11 +149,11 @@ class EngineProcess:
         self._send(("abort", request_id))
 
     def _send(self, command: tuple) -> None:
-        with self._lock:
-            try:
-                self._commands.send(command)
-            except OSError:
-                pass  # the child is gone: its results pipe says so
+        """Only the server's engine thread sends (commands, and close())."""
+        try:
+            self._commands.send(command)
+        except OSError:
+            pass  # the child is gone: its results pipe says so
 
     def receive(self) -> list[tuple]:
         """The messages that have come, without waiting. Raises EOFError when the child
