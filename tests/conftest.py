@@ -153,19 +153,25 @@ def compile_kernel(kernel, arch: int, constants: dict, types, options: dict):
                           target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def offline_compiled(code: str, cache: Path) -> list[int]:
-    """Run `code` in a fresh process where triton compiles for a GPU without one (the
-    interpreter is off there; it cannot run where the interpreter was chosen) and return
-    the integers it prints (the compiled kernels' shared memory). Skips where this triton
-    cannot compile offline."""
+def offline_compiled(code: str, cache: Path, archs: tuple[int, ...] = (86, 90)) -> list[int]:
+    """Run `code` once per GPU architecture in `archs` (the name `arch` holds it), each in a
+    fresh process where triton compiles for that GPU without one (the interpreter is off
+    there; it cannot run where the interpreter was chosen), all at once; return the
+    integers they print (the compiled kernels' shared memory), in the order of `archs`.
+    Skips where this triton cannot compile offline."""
     pytest.importorskip("triton.backends.nvidia")
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.compiler import ASTSource  # noqa: F401
     except ImportError as e:
         pytest.skip(f"this triton cannot compile offline: {e}")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(cache)}
-    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return [int(n) for n in done.stdout.split()]
+    runs = [subprocess.Popen(
+        [sys.executable, "-c", f"arch = {arch}\n{code}"], cwd=Path(__file__).parent,
+        env={**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(cache / str(arch))},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for arch in archs]
+    printed = []
+    for run in runs:
+        out, err = run.communicate()
+        assert run.returncode == 0, err[-4000:]
+        printed += [int(n) for n in out.split()]
+    return printed

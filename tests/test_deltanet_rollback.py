@@ -188,7 +188,7 @@ def compile_kernels(arch: int):
 def test_the_kernels_compile_for_rtx3090_and_h200(tmp_path):
     from conftest import SM86_SHARED, offline_compiled
     code = ("from test_deltanet_rollback import compile_kernels\n"
-            "print(*[k.metadata.shared for arch in (86, 90) for k in compile_kernels(arch)])")
+            "print(*[k.metadata.shared for k in compile_kernels(arch)])")
     shared = offline_compiled(code, tmp_path)
     assert len(shared) == 4 and max(shared) <= SM86_SHARED
 

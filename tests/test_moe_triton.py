@@ -402,11 +402,10 @@ def test_the_kernels_compile_for_rtx3090_and_h200(tmp_path):
     interpreter is chosen."""
     code = ("import torch; from test_moe_triton import COMPILED, compile_offline\n"
             "from test_moe_triton import compile_route, compile_small\n"
-            "for arch in (86, 90):\n"
-            "    print(*[k.metadata.shared for d, t in COMPILED\n"
-            "            for k in compile_offline(arch, t, getattr(torch, d))])\n"
-            "    print(compile_route(arch).metadata.shared)\n"
-            "    print(*[k.metadata.shared for k in compile_small(arch)])")
+            "print(*[k.metadata.shared for d, t in COMPILED\n"
+            "        for k in compile_offline(arch, t, getattr(torch, d))])\n"
+            "print(compile_route(arch).metadata.shared)\n"
+            "print(*[k.metadata.shared for k in compile_small(arch)])")
     shared = offline_compiled(code, tmp_path)
     assert len(shared) == 2 * (2 * len(COMPILED) + 4)
     assert max(shared) <= SM86_SHARED
