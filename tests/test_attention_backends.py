@@ -6,13 +6,12 @@ the same windows — outputs and cache writes agree — and whole engines on eit
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
 from conftest import prompts
 
-from strata.attention import AttentionBatch, copy_meta, get_backend, register_backend
+from strata.attention import AttentionBatch, get_backend, register_backend
 from strata.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.errors import StrataError
@@ -139,27 +138,6 @@ def test_mla_and_mtp_go_through_the_backend(tmp_path):
     stage = counting.runner.stages[0]
     assert all(calls.get(id(cache), 0) > 0 for cache in stage.caches)  # every MLA layer
     assert calls.get(id(stage.mtp_cache), 0) > 0                       # the MTP layer
-
-
-@dataclass(frozen=True)
-class Meta:
-    rows: torch.Tensor
-    block_size: int
-
-
-def test_copy_meta_fills_the_captured_tensors_in_place_or_says_what_differs():
-    static = Meta(torch.zeros(4, dtype=torch.long), 16)
-    buffer = static.rows
-    copy_meta(static, Meta(torch.arange(4), 16))
-    assert static.rows is buffer and buffer.tolist() == [0, 1, 2, 3]
-    with pytest.raises(StrataError, match="field rows is \\(4,\\) torch.int64 in the captured "
-                                          "metadata but \\(5,\\) torch.int64"):
-        copy_meta(static, Meta(torch.arange(5), 16))
-    with pytest.raises(StrataError, match="field rows is .* but \\(4,\\) torch.int32"):
-        copy_meta(static, Meta(torch.arange(4, dtype=torch.int32), 16))
-    with pytest.raises(StrataError, match="field block_size is 16 .* but 8"):
-        copy_meta(static, Meta(torch.arange(4) * 10, 8))
-    assert buffer.tolist() == [0, 1, 2, 3]  # nothing copied from a refused window
 
 
 def test_unknown_backend_is_a_clear_error():

@@ -2,7 +2,7 @@
 interpreter on the CPU, see conftest.py): decode, drafts, prompt chunks over several query
 tiles, mixed windows, positions rewritten after a rejection, GQA, odd head dims, a bf16
 cache, and padding as a CUDA-graph runner would add it; its metadata's shapes follow the
-window's shape only, and `copy_meta` refills it. The kernel also compiles for SM86 and SM90
+window's shape only, and a StagingBuffer refills it. The kernel also compiles for SM86 and SM90
 (no GPU needed), and whole engines agree on either backend."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import SM86_SHARED, TRITON_TYPES, compile_kernel, offline_compiled, prompts
 
-from strata.attention import AttentionBatch, copy_meta, get_backend
+from strata.attention import AttentionBatch, get_backend
 from strata.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.errors import StrataError
@@ -23,6 +23,7 @@ from strata.kvcache.block_pool import cache_rows
 from strata.kvcache.cache import PagedKVCache
 from strata.kvcache.spec import PagedKVSpec
 from strata.sampling.params import SamplingParams
+from strata.stage.staging import StagingBuffer, tensor_fields, with_views
 
 pytest.importorskip("triton")
 CPU = torch.device("cpu")
@@ -190,17 +191,19 @@ def test_padding_is_harmless_and_meta_shapes_follow_the_window_shape():
     # Another window of the same (T, B, W) gives metadata of the same shapes...
     backend = get_backend("triton")
     other = padded(window([(7, 30)], 4, seed=9), tokens=48, entries=7, width=16)
-    static, new = backend.prepare(big, CPU), backend.prepare(other, CPU)
-    # ...so copying it into the captured one replays the new window exactly.
+    captured = backend.prepare_host(big)
+    staging = StagingBuffer(tensor_fields(captured), CPU)
+    static, new = with_views(captured, iter(staging.views)), backend.prepare(other, CPU)
+    # ...so copying it into the captured one's buffer replays the new window exactly.
     q, k, v = inputs(48, 6, 2, 64, seed=4)
     expected = backend.forward(q, k, v, pair[1], new)
     scratch = caches(2, 64, 4)[0]  # the captured window's own output, elsewhere
     assert not torch.equal(backend.forward(q, k, v, scratch, static), expected)
-    copy_meta(static, new)
+    staging.fill(tensor_fields(backend.prepare_host(other)))
     torch.testing.assert_close(backend.forward(q, k, v, pair[1], static), expected,
                                rtol=0, atol=0)
-    with pytest.raises(StrataError, match="field slot_mapping is \\(48,\\).*but \\(30,\\)"):
-        copy_meta(static, backend.prepare(window([(7, 30)], 4, seed=9), CPU))
+    with pytest.raises(StrataError, match=r"tensor 0 is \(30,\) torch.int64, its view \(48,\)"):
+        staging.fill(tensor_fields(backend.prepare_host(window([(7, 30)], 4, seed=9))))
 
 
 def compile_offline(arch: int, head_dim: int, group: int, q_dtype, kv_dtype,

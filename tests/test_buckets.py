@@ -96,15 +96,27 @@ def padded_everywhere(engine: Engine, sizes: list[int],
                                                ((2,), 8, "reference"), ((2,), 8, "triton")])
 def test_padded_windows_give_the_same_tokens_and_logits(tiny_models, split, spec, backend):
     """With `triton` (its kernel interpreted on the CPU) each window's metadata is copied
-    into its bucket's static buffers, as before a graph replay."""
+    into its bucket's static buffers, as before a graph replay, and the bucket's greedy
+    decisions stand in for the Verifier's."""
     folder = str(tiny_models["llama"][0])
     config = dict(model=folder, parallel=4, layer_split=split, max_window_tokens=32)
     plain = Engine(EngineConfig(**config, spec=0, attention_backend="reference"))
     padded = Engine(EngineConfig(**config, spec=spec, attention_backend=backend,
                                  schedule_ahead="on"))
     # Coarse buckets, so that most windows are padded; prompt windows of 25..32 run eagerly,
-    # and so do windows of more than 9 logits rows (the score's, drafted ones).
-    counts = padded_everywhere(padded, [2, 5, 11, 24], max_logits=9)
+    # and so do windows of more than 9 logits rows (the score's, drafted ones), but for
+    # triton's drafted windows of up to 24 rows (decided in their bucket).
+    counts = padded_everywhere(padded, [2, 5, 11, 24], max_logits=24 if spec and backend ==
+                               "triton" else 9)
+    launch, decided = padded.runner.last.launch, {"bucket": 0, "drafted": 0}
+
+    def spied(header, logits, hidden, greedy=None):
+        if greedy is not None:  # the bucket's greedy decisions: used for these windows
+            decided["bucket"] += 1
+            decided["drafted"] += any(e.draft for e in header.verify)
+        return launch(header, logits, hidden, greedy)
+
+    padded.runner.last.launch = spied
     ids = prompts(1, 320, seed=3, low=20, high=21)[0]
     torch.testing.assert_close(padded.score(ids), plain.score(ids), rtol=1e-5, atol=1e-5)
     assert (padded.generate(repetitive_prompts(320), GREEDY)
@@ -112,6 +124,8 @@ def test_padded_windows_give_the_same_tokens_and_logits(tiny_models, split, spec
     assert counts["padded"] > 10 and counts["eager"] > 0
     if spec:
         assert padded.draft_stats.accepted > 0
+    if backend == "triton":  # static buffers: each bucket decides greedy windows itself
+        assert decided["bucket"] > 10 and decided["drafted"] > 0
 
 
 def test_graph_and_backend_settings_say_what_they_need(tiny_models):

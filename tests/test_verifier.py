@@ -16,7 +16,7 @@ import torch
 
 from strata.sampling.params import SamplingParams
 from strata.sampling.sampler import processed_probs
-from strata.sampling.verifier import Verifier, VerifyEntry
+from strata.sampling.verifier import Verifier, VerifyEntry, emitted, greedy_rows, greedy_table
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 GREEDY = SamplingParams(temperature=0)
@@ -127,6 +127,34 @@ def test_greedy_matches_reference_loop(device):
             entries.append(VerifyEntry(GREEDY, f"r{i}", draft))
             row += k + 1
         assert verifier.verify(logits.to(device), entries) == greedy_reference(logits, entries)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_rows_padded_to_a_bucket_decide_as_the_reference(device):
+    """What a graphed last stage computes: its bucket's rows and entries, padded with rows
+    of any logits (a spare entry's) and entries that read nothing."""
+    rng = random.Random(5)
+    for case in range(100):
+        vocab = rng.choice([2, 7, 64])
+        ks = [rng.randint(0, 5) for _ in range(rng.randint(1, 6))]
+        real = sum(k + 1 for k in ks)
+        rows, slots = real + rng.randint(0, 6), len(ks) + 1 + rng.randint(0, 3)
+        logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(case))
+        top, row, entries = logits.argmax(-1).tolist(), 0, []
+        for i, k in enumerate(ks):
+            draft = [top[row + j] if rng.random() < 0.75 else rng.randrange(vocab)
+                     for j in range(k)]
+            entries.append(VerifyEntry(GREEDY, f"r{i}", draft))
+            row += k + 1
+        table = [torch.tensor(c, device=device) for c in greedy_table(entries, rows, slots)]
+        decided = greedy_rows(logits.to(device), *table)
+        assert decided.shape == (2, slots)
+        assert (emitted(entries, decided[:, :len(ks)].tolist())
+                == greedy_reference(logits[:real], entries))
+    with pytest.raises(ValueError, match="4 rows of 2 entries do not fit 3 rows"):
+        greedy_table([VerifyEntry(GREEDY, "a", [1]), VerifyEntry(GREEDY, "b", [2])], 3, 4)
+    with pytest.raises(ValueError, match="do not fit 8 rows and 2 entries"):
+        greedy_table([VerifyEntry(GREEDY, "a", [1]), VerifyEntry(GREEDY, "b", [2])], 8, 2)
 
 
 def test_greedy_entries_mixed_with_sampled_ones_stay_exact():

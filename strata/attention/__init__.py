@@ -10,7 +10,7 @@ registers beside it without importing triton until it is chosen.
 
 from strata.attention import reference, triton_paged  # noqa: F401  (register themselves)
 from strata.attention.backend import (AttentionBackend, AttentionBatch, backend_names,
-                                      copy_meta, get_backend, register_backend)
+                                      get_backend, register_backend)
 
-__all__ = ["AttentionBackend", "AttentionBatch", "backend_names", "copy_meta", "get_backend",
+__all__ = ["AttentionBackend", "AttentionBatch", "backend_names", "get_backend",
            "register_backend"]

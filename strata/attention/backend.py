@@ -1,12 +1,11 @@
 """The AttentionBackend interface, the AttentionBatch it is prepared from, the registry of
-backends by name (`--attention-backend`), and `copy_meta`, which refills a captured
-graph's static metadata from a new window's."""
+backends by name (`--attention-backend`)."""
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -39,28 +38,6 @@ class AttentionBackend(Protocol):
         """q [T, H, D], k and v [T, Hkv, D] -> [T, H, D]. Writes k and v into the window's
         cache rows, then each token attends to its own entry's keys at positions up to
         its own. `scale` multiplies q·k (default 1/sqrt(D))."""
-
-
-def copy_meta(dst: Any, src: Any) -> None:
-    """Copy backend metadata `src` into `dst` (both the same frozen dataclass), field by
-    field, in place: how a CUDA graph captured over `dst`'s tensors replays a new window.
-    Tensors must agree in shape and dtype, any other field must be equal; all are checked
-    before anything is copied."""
-    if type(dst) is not type(src):
-        raise StrataError(f"copy_meta: {type(src).__name__} cannot fill {type(dst).__name__}")
-    pairs = [(f.name, getattr(dst, f.name), getattr(src, f.name)) for f in fields(dst)]
-    for name, to, new in pairs:
-        if not isinstance(to, torch.Tensor):
-            if to != new:
-                raise StrataError(f"copy_meta: field {name} is {to!r} in the captured "
-                                  f"metadata but {new!r} in the new window's")
-        elif to.shape != new.shape or to.dtype != new.dtype:
-            raise StrataError(f"copy_meta: field {name} is {tuple(to.shape)} {to.dtype} in the "
-                              f"captured metadata but {tuple(new.shape)} {new.dtype} in the "
-                              f"new window's (pad the window to the captured shape)")
-    for _, to, new in pairs:
-        if isinstance(to, torch.Tensor):
-            to.copy_(new, non_blocking=True)
 
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}

@@ -136,8 +136,9 @@ class StageLoop:
                 self.stage.report(prepared + time.perf_counter() - start))
             _transport(self.link.send, out, seconds, self.rank + 1, self.pending)
             return
-        logits, hidden = out
-        result = self.verifier.finish(self.verifier.launch(header, logits, hidden))  # host read
+        logits, hidden, decided = out
+        result = self.verifier.finish(self.verifier.launch(header, logits, hidden,  # host read
+                                                           decided))
         seconds[self.index] = torch.tensor(
             self.stage.report(prepared + time.perf_counter() - start))
         result.stage_seconds = seconds[:, 0].tolist()

@@ -121,24 +121,52 @@ class Verifier:
         return (probs / noise.clamp_min(_TINY)).argmax(dim=-1)      # [R]
 
 
-def _greedy(logits: torch.Tensor, entries: list[VerifyEntry]) -> torch.Tensor:
-    """`decide` for greedy entries with drafts, in few launches (a drafted window's host
-    time is the engine's at several streams): one table copied to the device, holding per
-    entry its first row and, for each draft position and one more, the row whose argmax
-    must equal the draft and the draft (-1 past the entry's drafts: never equal), so the
-    accepted count is the first mismatch's position."""
-    K = max(len(e.draft) for e in entries) + 1
-    table, row = [], 0
-    for e in entries:
-        k = len(e.draft)
-        table.append([row] + [row + min(j, k) for j in range(K)] + e.draft + [-1] * (K - k))
+def greedy_table(entries: list[VerifyEntry], rows: int | None = None,
+                 slots: int | None = None) -> tuple[list[int], list[int], list[int]]:
+    """What `greedy_rows` reads, on the host: per logits row the token its argmax must
+    equal for the entry to go on (the next draft; -1 at the entry's last row: never equal)
+    and its entry; per entry its first row. Padded to `rows` rows (entry `slots - 1`, a
+    spare one, target -1) and `slots` entries (first row 0), as a CUDA-graph bucket holds."""
+    target, entry, start, row = [], [], [], 0
+    for e, v in enumerate(entries):
+        k = len(v.draft)
+        target += [*v.draft, -1]
+        entry += [e] * (k + 1)
+        start.append(row)
         row += k + 1
-    t = torch.tensor(table, dtype=torch.long).to(logits.device, non_blocking=True)
-    starts, rows, drafts = t[:, 0], t[:, 1:K + 1], t[:, K + 1:]       # [N], [N, K], [N, K]
+    if rows is not None:
+        if row > rows or slots is None or len(entries) >= slots:
+            raise ValueError(f"{row} rows of {len(entries)} entries do not fit {rows} rows "
+                             f"and {slots} entries (one spare)")
+        target += [-1] * (rows - row)
+        entry += [slots - 1] * (rows - row)
+        start += [0] * (slots - len(entries))
+    return target, entry, start
+
+
+def greedy_rows(logits: torch.Tensor, target: torch.Tensor, entry: torch.Tensor,
+                start: torch.Tensor) -> torch.Tensor:
+    """Greedy verification, every entry at once, in shapes set only by the row and entry
+    counts (so a CUDA graph captures it): an entry accepts its drafts up to the first row
+    whose argmax differs from its target, and that row's argmax is its next token.
+    `greedy_table` gives target [R], entry [R] and start [N]; returns [2, N] as `decide`."""
     top = logits.argmax(dim=-1)                                       # [R]
-    miss = (top[rows] != drafts).to(torch.uint8)                      # [N, K], 1 at column k
-    accepted = miss.argmax(dim=1)                                     # the first 1 (argmax
-    return torch.stack([accepted, top[starts + accepted]])            # takes the first max)
+    rows = torch.arange(top.shape[0], device=top.device)
+    stop = torch.where(top != target, rows, top.shape[0])             # a row that stops
+    first = torch.full_like(start, top.shape[0]).scatter_reduce(      # the entry's first
+        0, entry, stop, reduce="amin")                                # such row
+    return torch.stack([first - start, top[first.clamp(max=top.shape[0] - 1)]])
+
+
+def _greedy(logits: torch.Tensor, entries: list[VerifyEntry]) -> torch.Tensor:
+    """`decide` for greedy entries with drafts: their table copied to the device in one
+    copy, then `greedy_rows` (a drafted window's host time is the engine's at several
+    streams, so few launches)."""
+    target, entry, start = greedy_table(entries)
+    t = torch.tensor(target + entry + start, dtype=torch.long).to(logits.device,
+                                                                   non_blocking=True)
+    rows = len(target)
+    return greedy_rows(logits, t[:rows], t[rows:2 * rows], t[2 * rows:])
 
 
 def emitted(entries: list[VerifyEntry], decided: list[list[int]]) -> list[list[int]]:

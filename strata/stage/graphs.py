@@ -1,9 +1,10 @@
 """StageGraphs: one stage's forward captured as a CUDA graph per window bucket, replayed.
 
-A graphed window is padded to its bucket (buckets.py), its metadata copied into the
-bucket's static buffers (a few small host-to-device copies, in stream order, so a window
-prepared while the previous one still runs never disturbs it), and the graph replayed: one
-launch for the whole stage instead of several per layer. The outputs are copied out of
+A graphed window is padded to its bucket (buckets.py), its metadata (and on the first
+stage its token ids) copied into the bucket's static buffers: views of one block of device
+memory that a single host-to-device copy fills (staging.py), in stream order, so a window
+prepared while the previous one still runs never disturbs it. Then the graph is replayed:
+one launch for the whole stage instead of several per layer. The outputs are copied out of
 the graph's buffers at once, so a later replay cannot overwrite a window not yet read.
 Windows larger than the largest bucket run eagerly. Capturing needs an attention backend
 whose metadata has static shapes (`capturable = True`, with `prepare_host(batch)`: the
@@ -21,10 +22,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from strata.attention.backend import copy_meta
 from strata.layers.forward_meta import ForwardMeta
+from strata.sampling.verifier import VerifyEntry, greedy_rows, greedy_table
 from strata.scheduler.window import WindowHeader
-from strata.stage.buckets import WindowShape, pad_window, pick_bucket
+from strata.stage.buckets import PaddedWindow, WindowShape, pad_window, pick_bucket
+from strata.stage.staging import StagingBuffer, tensor_fields, with_views
 
 log = logging.getLogger("strata.engine")
 
@@ -38,11 +40,17 @@ class GraphCall:
     token_ids: torch.Tensor  # [bucket] on the host (the first stage's input)
     meta: ForwardMeta | None = None  # the window's own metadata, where the backend's
                                      # shapes are not static (padding checked eagerly)
+    num_verify: int = 0      # the window's sampling entries (the last stage's decisions)
 
 
 class _Captured:
-    def __init__(self, meta: ForwardMeta, graph: bool):
-        self.meta = meta
+    """A bucket: its static metadata (views of `staging`'s block where the backend's
+    shapes are static; the first stage's token ids too, and the last stage's greedy table),
+    its graph and outputs."""
+
+    def __init__(self, meta: ForwardMeta, graph: bool, staging: StagingBuffer | None = None,
+                 ids: torch.Tensor | None = None, verify: list[torch.Tensor] | None = None):
+        self.meta, self.staging, self.ids, self.verify = meta, staging, ids, verify
         self.graph = torch.cuda.CUDAGraph() if graph else None
         self.out: Any = None
 
@@ -80,11 +88,11 @@ class StageGraphs:
                   unit="graph", file=sys.stderr, leave=False,
                   disable=not sys.stderr.isatty()) as progress, torch.inference_mode():
             for tokens in reversed(self.sizes):
-                padded = pad_window(blank, tokens, self.shape)
-                entry = _Captured(self._meta(padded), self.graphs)
+                entry = self._static(pad_window(blank, tokens, self.shape), tokens)
                 self.captured[tokens] = entry
                 if self.graphs:
-                    self._capture(entry, self.input[:tokens], pool)
+                    self._capture(entry, entry.ids if entry.ids is not None
+                                  else self.input[:tokens], pool)
                 progress.update()
         if not self.graphs:
             return
@@ -96,14 +104,47 @@ class StageGraphs:
         side = torch.cuda.Stream(self.stage.device)
         side.wait_stream(torch.cuda.current_stream(self.stage.device))
         with torch.cuda.stream(side):  # warm-up: kernels compiled, workspaces made
-            self.stage.module(x, entry.meta, self.stage.caches)
+            self._run(entry, x)
         torch.cuda.current_stream(self.stage.device).wait_stream(side)
         with torch.cuda.graph(entry.graph, pool=pool):
-            entry.out = self.stage.module(x, entry.meta, self.stage.caches)
+            entry.out = self._run(entry, x)
 
-    def _meta(self, padded) -> ForwardMeta:
+    def _meta(self, padded: PaddedWindow) -> ForwardMeta:
         return ForwardMeta.build(padded.batch, self.stage.backend, self.stage.device,
                                  padded.logits_idx, padded.state)
+
+    def _host_tensors(self, padded: PaddedWindow, tokens: int,
+                      verify: list[VerifyEntry]) -> list[torch.Tensor]:
+        """A padded window's metadata on the host, in the order of a bucket's staging views:
+        positions, logits rows, the backend's tensors, the state's, then the token ids on
+        the first stage and the greedy table of `verify` on the last."""
+        attention = self.stage.backend.prepare_host(padded.batch)
+        tensors = [padded.batch.positions, padded.logits_idx, *tensor_fields(attention)]
+        if padded.state is not None:
+            tensors += tensor_fields(padded.state)
+        if self.stage.module.first:
+            tensors.append(padded.token_ids)
+        if self.stage.module.last:
+            table = greedy_table(verify, self.shape.logit_rows(tokens), self.shape.num_entries)
+            tensors += [torch.tensor(column, dtype=torch.long) for column in table]
+        return tensors
+
+    def _static(self, padded: PaddedWindow, tokens: int) -> _Captured:
+        """A bucket's static metadata: where the backend's shapes are static, views of one
+        staging block (filled with `padded`'s values) that every window of the bucket fills
+        with one copy; else ForwardMeta built as eager windows build theirs."""
+        if not self.static_meta:
+            return _Captured(self._meta(padded), self.graphs)
+        staging = StagingBuffer(self._host_tensors(padded, tokens, []), self.stage.device)
+        views = iter(staging.views)
+        positions, logits_idx = next(views), next(views)
+        attention = with_views(self.stage.backend.prepare_host(padded.batch), views)
+        state = with_views(padded.state, views) if padded.state is not None else None
+        ids = next(views) if self.stage.module.first else None
+        verify = list(views) if self.stage.module.last else None
+        meta = ForwardMeta(positions=positions, logits_idx=logits_idx,
+                           backend=self.stage.backend, attention=attention, state=state)
+        return _Captured(meta, self.graphs, staging, ids, verify)
 
     def prepare(self, header: WindowHeader) -> GraphCall | None:
         """Fill the window's bucket with its metadata; None when no bucket holds it."""
@@ -114,34 +155,48 @@ class StageGraphs:
             return None
         padded = pad_window(header, tokens, self.shape)
         meta = None
-        if self.static_meta:  # host tensors copied straight into the graph's buffers
-            static = self.captured[tokens].meta
-            static.positions.copy_(padded.batch.positions, non_blocking=True)
-            static.logits_idx.copy_(padded.logits_idx, non_blocking=True)
-            copy_meta(static.attention, self.stage.backend.prepare_host(padded.batch))
-            if padded.state is not None:
-                copy_meta(static.state, padded.state)
+        if self.static_meta:  # host tensors copied into the graph's buffers at once
+            verify = [] if header.logits_all else header.verify
+            self.captured[tokens].staging.fill(self._host_tensors(padded, tokens, verify))
         else:
             meta = self._meta(padded)
-        return GraphCall(tokens, padded.num_tokens, padded.num_logits, padded.token_ids, meta)
+        return GraphCall(tokens, padded.num_tokens, padded.num_logits, padded.token_ids, meta,
+                         len(header.verify))
 
     def replay(self, x: torch.Tensor, call: GraphCall):
         """x: the real tokens' input (token ids are taken from the call on the first
         stage). Returns the stage's outputs for the real rows, copied out of the graph."""
         entry = self.captured[call.tokens]
-        if self.stage.module.first:
-            self.input[:call.tokens].copy_(call.token_ids, non_blocking=True)
-            if x.device == self.input.device:  # ids carried over on the device (header.carry)
-                self.input[:call.num_tokens].copy_(x)
+        if entry.ids is not None:  # the first stage: its ids came with the metadata
+            if x.device == entry.ids.device:  # ids carried over on the device (header.carry)
+                entry.ids[:call.num_tokens].copy_(x)
+            inputs = entry.ids
+        elif self.stage.module.first:  # metadata of its own: the ids copied apart
+            inputs = self.input[:call.tokens]
+            inputs.copy_(call.token_ids, non_blocking=True)
+            if x.device == inputs.device:
+                inputs[:call.num_tokens].copy_(x)
         else:
-            self.input[:call.num_tokens].copy_(x, non_blocking=True)
+            inputs = self.input[:call.tokens]
+            inputs[:call.num_tokens].copy_(x, non_blocking=True)
         if entry.graph is not None:
             entry.graph.replay()
             out = entry.out
         else:
-            out = self.stage.module(self.input[:call.tokens], call.meta or entry.meta,
-                                    self.stage.caches)
+            out = self._run(entry, inputs, call.meta)
         if self.stage.module.last:
-            logits, hidden = out
-            return logits[:call.num_logits].clone(), hidden[:call.num_tokens].clone()
+            logits, hidden, decided = out
+            return (logits[:call.num_logits].clone(), hidden[:call.num_tokens].clone(),
+                    None if decided is None else decided[:, :call.num_verify].clone())
         return out[:call.num_tokens].clone()
+
+    def _run(self, entry: _Captured, x: torch.Tensor, meta: ForwardMeta | None = None):
+        """The stage's forward over a bucket (what its graph captures); on the last stage
+        with a greedy table, (logits, hidden, the greedy decisions of every entry)."""
+        out = self.stage.module(x, meta or entry.meta, self.stage.caches)
+        if not self.stage.module.last:
+            return out
+        logits, hidden = out
+        if entry.verify is None or meta is not None:
+            return logits, hidden, None
+        return logits, hidden, greedy_rows(logits, *entry.verify)

@@ -99,14 +99,19 @@ class WindowVerifier:
         logits[:, 1] = 1.0  # greedy: d1 = 1 is accepted, d2 = 2 is not
         return self.verifier.decide(logits, entries).cpu()
 
-    def launch(self, header: WindowHeader, logits: torch.Tensor,
-               hidden: torch.Tensor) -> LaunchedWindow:
+    def launch(self, header: WindowHeader, logits: torch.Tensor, hidden: torch.Tensor,
+               greedy: torch.Tensor | None = None) -> LaunchedWindow:
         """Queue the window's verification (no host read). logits: the rows
-        header.logits_idx() asks for; hidden: final-norm [T, hidden]."""
+        header.logits_idx() asks for; hidden: final-norm [T, hidden]; greedy: the
+        decisions the stage's graph made as if every entry were plain greedy (used where
+        they are: no sampling, no logit bias)."""
         rows = logits[header.sample_rows.to(logits.device)] if header.logits_all else logits
         apart = None
         try:
-            decided = self._decide(rows, header.verify)
+            if greedy is not None and self._plain_greedy(header):
+                decided = greedy
+            else:
+                decided = self._decide(rows, header.verify)
         except Exception:  # noqa: BLE001 - find the entries that fail; the others go on
             apart = self._decide_apart(rows, header.verify)  # NOTE: host reads, rare
             decided = torch.tensor([[len(t) - 1 for t in apart[0]], [t[-1] for t in apart[0]]],
@@ -134,6 +139,11 @@ class WindowVerifier:
                 log.exception("MTP drafting failed for a window; it goes on without drafts")
         return WindowResult(tokens, drafts, full, errors=errors,
                             logprobs=logprobs if any(logprobs) else None)
+
+    def _plain_greedy(self, header: WindowHeader) -> bool:
+        """Does `greedy_rows` decide this window as `decide` would?"""
+        return (self.simulate_acceptance is None and not header.logits_all
+                and all(e.params.greedy and not e.params.logit_bias for e in header.verify))
 
     def _decide(self, logits: torch.Tensor, entries: list[VerifyEntry]) -> torch.Tensor:
         """The Verifier's [2, N] on the device (or the simulated acceptance's)."""

@@ -110,8 +110,8 @@ class ModelRunner:
                 pair[1].record()
             seconds.append(time.perf_counter() - start)
             events.append(pair)
-        logits, hidden = x
-        self._queue.append((window, self.last.launch(header, logits, hidden),
+        logits, hidden, decided = x
+        self._queue.append((window, self.last.launch(header, logits, hidden, decided),
                             (seconds, events)))
 
     def _carried(self, header: WindowHeader) -> torch.Tensor:

@@ -213,10 +213,15 @@ class Stage:
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, meta: ForwardMeta | GraphCall):
+        """The window's hidden states; on the last stage (logits, hidden, the greedy
+        decisions that a graphed window computes for every entry, or None: the Verifier's
+        `greedy_rows`, which WindowVerifier uses where every entry is plain greedy)."""
         if isinstance(meta, GraphCall):
             out = self.graphs.replay(x, meta)
         else:
             out = self.module(x.to(self.device, non_blocking=True), meta, self.caches)
+            if self.module.last:
+                out = (*out, None)
         if self.experts is not None:
             self.experts.after_window()
         return out
