@@ -182,10 +182,12 @@ def test_tokens_are_the_same_with_windows_ahead(tiny_models, groups):
     assert any(len(out) < p.max_tokens for out, p in zip(plain, params))
 
 
-def test_drafts_and_windows_ahead_take_turns(tiny_models):
+@pytest.mark.parametrize("buckets", [False, True])
+def test_drafts_and_windows_ahead_take_turns(tiny_models, buckets):
     """Suffix drafts on repetitive prompts: slots draft where a draft is worth the window
     they sit out, the others go on in windows built ahead, and every greedy token is as
-    without drafts."""
+    without drafts. `buckets`: windows padded to graph buckets with static buffers (triton,
+    interpreted), whose first stage puts the carried tokens in place itself."""
     folder, model = tiny_models["llama"]
     base = prompts(4, model.config.vocab_size, seed=11, low=6, high=14)
     batch = [p * 3 + p[:3] for p in base[:2]] + base[2:]  # two repeat, two do not
@@ -194,12 +196,27 @@ def test_drafts_and_windows_ahead_take_turns(tiny_models):
                           spec_type=("suffix",), spec_suffix_global=0, schedule_ahead="on")
     plain, _ = run(Engine(dataclasses.replace(config, spec=0, schedule_ahead="off")), batch,
                    greedy, frozenset())
-    engine = Engine(config)
+    engine = Engine(dataclasses.replace(config, attention_backend="triton") if buckets
+                    else config)
+    scattered = []
+    if buckets:
+        from test_buckets import padded_everywhere
+        padded_everywhere(engine, [1, 2, 4, 8, 16, 24], max_logits=24)
+        graphs = engine.runner.stages[0].graphs
+        replay = graphs.replay
+
+        def spied(x, call):
+            if call.num_carried and not call.carried_in_order:
+                scattered.append(call)
+            return replay(x, call)
+
+        graphs.replay = spied
     mixed = []
     drafted, carried = run(engine, batch, greedy, frozenset(), mixed)
     assert drafted == plain
     assert carried > 0 and engine.draft_stats.drafted > 0
     assert any(sum(h.num_drafts) for h in mixed)  # a slot back with drafts, others carried
+    assert len(scattered) > 0 or not buckets     # ...its carried tokens put in place here
 
 
 def test_a_draft_must_be_worth_the_window():

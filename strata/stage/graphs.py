@@ -41,6 +41,9 @@ class GraphCall:
     meta: ForwardMeta | None = None  # the window's own metadata, where the backend's
                                      # shapes are not static (padding checked eagerly)
     num_verify: int = 0      # the window's sampling entries (the last stage's decisions)
+    num_carried: int = 0     # first stage: its rows whose ids the group's window in flight
+                             # decides (replay's x: those decisions, on the device)
+    carried_in_order: bool = False  # ...and they are its first rows, from its entries in order
 
 
 class _Captured:
@@ -49,8 +52,10 @@ class _Captured:
     its graph and outputs."""
 
     def __init__(self, meta: ForwardMeta, graph: bool, staging: StagingBuffer | None = None,
-                 ids: torch.Tensor | None = None, verify: list[torch.Tensor] | None = None):
+                 ids: torch.Tensor | None = None, carry: list[torch.Tensor] | None = None,
+                 verify: list[torch.Tensor] | None = None):
         self.meta, self.staging, self.ids, self.verify = meta, staging, ids, verify
+        self.carry = carry  # first stage: the carried rows and the entries they come from
         self.graph = torch.cuda.CUDAGraph() if graph else None
         self.out: Any = None
 
@@ -88,7 +93,7 @@ class StageGraphs:
                   unit="graph", file=sys.stderr, leave=False,
                   disable=not sys.stderr.isatty()) as progress, torch.inference_mode():
             for tokens in reversed(self.sizes):
-                entry = self._static(pad_window(blank, tokens, self.shape), tokens)
+                entry = self._static(pad_window(blank, tokens, self.shape), tokens, blank)
                 self.captured[tokens] = entry
                 if self.graphs:
                     self._capture(entry, entry.ids if entry.ids is not None
@@ -113,38 +118,42 @@ class StageGraphs:
         return ForwardMeta.build(padded.batch, self.stage.backend, self.stage.device,
                                  padded.logits_idx, padded.state)
 
-    def _host_tensors(self, padded: PaddedWindow, tokens: int,
-                      verify: list[VerifyEntry]) -> list[torch.Tensor]:
+    def _host_tensors(self, padded: PaddedWindow, tokens: int, verify: list[VerifyEntry],
+                      header: WindowHeader) -> list[torch.Tensor]:
         """A padded window's metadata on the host, in the order of a bucket's staging views:
-        positions, logits rows, the backend's tensors, the state's, then the token ids on
-        the first stage and the greedy table of `verify` on the last."""
+        positions, logits rows, the backend's tensors, the state's, then on the first stage
+        the token ids and the carried rows and their entries (`header.carry_rows`,
+        `carry_from`), and on the last the greedy table of `verify`."""
         attention = self.stage.backend.prepare_host(padded.batch)
         tensors = [padded.batch.positions, padded.logits_idx, *tensor_fields(attention)]
         if padded.state is not None:
             tensors += tensor_fields(padded.state)
         if self.stage.module.first:
-            tensors.append(padded.token_ids)
+            spare = [0] * (tokens - len(header.carry_rows))
+            tensors += [padded.token_ids, torch.tensor(header.carry_rows + spare),
+                        torch.tensor(header.carry_from + spare)]
         if self.stage.module.last:
             table = greedy_table(verify, self.shape.logit_rows(tokens), self.shape.num_entries)
             tensors += [torch.tensor(column, dtype=torch.long) for column in table]
         return tensors
 
-    def _static(self, padded: PaddedWindow, tokens: int) -> _Captured:
+    def _static(self, padded: PaddedWindow, tokens: int, blank: WindowHeader) -> _Captured:
         """A bucket's static metadata: where the backend's shapes are static, views of one
         staging block (filled with `padded`'s values) that every window of the bucket fills
         with one copy; else ForwardMeta built as eager windows build theirs."""
         if not self.static_meta:
             return _Captured(self._meta(padded), self.graphs)
-        staging = StagingBuffer(self._host_tensors(padded, tokens, []), self.stage.device)
+        staging = StagingBuffer(self._host_tensors(padded, tokens, [], blank), self.stage.device)
         views = iter(staging.views)
         positions, logits_idx = next(views), next(views)
         attention = with_views(self.stage.backend.prepare_host(padded.batch), views)
         state = with_views(padded.state, views) if padded.state is not None else None
-        ids = next(views) if self.stage.module.first else None
+        ids, carry = (next(views), [next(views), next(views)]) if self.stage.module.first \
+            else (None, None)
         verify = list(views) if self.stage.module.last else None
         meta = ForwardMeta(positions=positions, logits_idx=logits_idx,
                            backend=self.stage.backend, attention=attention, state=state)
-        return _Captured(meta, self.graphs, staging, ids, verify)
+        return _Captured(meta, self.graphs, staging, ids, carry, verify)
 
     def prepare(self, header: WindowHeader) -> GraphCall | None:
         """Fill the window's bucket with its metadata; None when no bucket holds it."""
@@ -155,21 +164,30 @@ class StageGraphs:
             return None
         padded = pad_window(header, tokens, self.shape)
         meta = None
+        carried, in_order = 0, False
         if self.static_meta:  # host tensors copied into the graph's buffers at once
             verify = [] if header.logits_all else header.verify
-            self.captured[tokens].staging.fill(self._host_tensors(padded, tokens, verify))
+            self.captured[tokens].staging.fill(self._host_tensors(padded, tokens, verify,
+                                                                  header))
+            if self.stage.module.first and header.carry:
+                carried = len(header.carry_rows)
+                in_order = header.carry_rows == header.carry_from == list(range(carried))
         else:
             meta = self._meta(padded)
         return GraphCall(tokens, padded.num_tokens, padded.num_logits, padded.token_ids, meta,
-                         len(header.verify))
+                         len(header.verify), carried, in_order)
 
     def replay(self, x: torch.Tensor, call: GraphCall):
         """x: the real tokens' input (token ids are taken from the call on the first
         stage). Returns the stage's outputs for the real rows, copied out of the graph."""
         entry = self.captured[call.tokens]
-        if entry.ids is not None:  # the first stage: its ids came with the metadata
-            if x.device == entry.ids.device:  # ids carried over on the device (header.carry)
-                entry.ids[:call.num_tokens].copy_(x)
+        if entry.ids is not None:  # the first stage: its ids came with the metadata...
+            n = call.num_carried  # ...but those the window in flight decides (header.carry)
+            if n and call.carried_in_order:
+                entry.ids[:n].copy_(x[:n])
+            elif n:
+                rows, source = entry.carry
+                entry.ids.index_copy_(0, rows[:n], x.index_select(0, source[:n]))
             inputs = entry.ids
         elif self.stage.module.first:  # metadata of its own: the ids copied apart
             inputs = self.input[:call.tokens]

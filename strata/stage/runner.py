@@ -96,7 +96,7 @@ class ModelRunner:
         while the GPU computes."""
         header = window.header
         seconds, events = [], []
-        x = self._carried(header) if header.carry else header.token_ids
+        x = header.token_ids
         for stage in self.stages:
             start = time.perf_counter()
             pair = None
@@ -105,7 +105,10 @@ class ModelRunner:
                         torch.cuda.Event(enable_timing=True))
                 pair[0].record()
             stage.move_blocks(header)
-            x = stage.forward(x, stage.prepare(header))
+            meta = stage.prepare(header)
+            if stage is self.stages[0] and header.carry:  # a bucket that carries its ids
+                x = self._carried(header, getattr(meta, "num_carried", 0) > 0)  # itself
+            x = stage.forward(x, meta)
             if pair is not None:
                 pair[1].record()
             seconds.append(time.perf_counter() - start)
@@ -114,10 +117,11 @@ class ModelRunner:
         self._queue.append((window, self.last.launch(header, logits, hidden, decided),
                             (seconds, events)))
 
-    def _carried(self, header: WindowHeader) -> torch.Tensor:
+    def _carried(self, header: WindowHeader, decided_only: bool = False) -> torch.Tensor:
         """The input token ids of a window built ahead, on the device: at its carry_rows
         the tokens that the group's last window launched decided for its entries
-        carry_from, elsewhere the header's own."""
+        carry_from, elsewhere the header's own. `decided_only`: those decided tokens alone
+        (per entry of that window), for a graph bucket that puts them in place itself."""
         for window, launched, _ in reversed(self._queue):
             if window.header.group == header.group:
                 decided = launched.decided[1]
@@ -125,6 +129,8 @@ class ModelRunner:
         else:
             raise RuntimeError(f"a window of group {header.group} carries tokens over but "
                                "none of that group's windows is in flight")
+        if decided_only:
+            return decided
         n = header.num_tokens
         if header.carry_rows == list(range(n)) and header.carry_from == list(range(n)):
             return decided if decided.shape[0] == n else decided[:n]
