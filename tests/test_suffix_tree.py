@@ -61,11 +61,18 @@ def test_a_short_match_drafts_a_short_guess(factor, expected):
         SuffixProposer(spec_factor=0)
 
 
-def test_a_small_max_depth_still_drafts_long_copies():
+@pytest.mark.parametrize("factor", [1.0, LONG])
+def test_a_small_max_depth_still_drafts_long_copies(factor):
+    """A match as deep as the trie follows (max_depth - 1 tokens) is trusted as a copy,
+    whatever spec_factor allows a shorter one; one token shorter, the factor caps it."""
     passage = novel(100, seed=4)
-    p = SuffixProposer(max_depth=8, max_draft=40, spec_factor=LONG)
+    p = SuffixProposer(max_depth=8, max_draft=40, spec_factor=factor)
     p.start("r", passage + passage[:20])
     assert p.propose("r", 40).tokens == passage[20:60]
+    q = SuffixProposer(max_depth=8, max_draft=40, spec_factor=factor)
+    q.start("r", novel(10, seed=5, low=90_000) + passage + novel(10, seed=6, low=80_000)
+            + passage[:6])
+    assert q.propose("r", 40).tokens == passage[6:6 + (6 if factor == 1.0 else 40)]
 
 
 def test_the_draft_follows_the_most_frequent_continuation():

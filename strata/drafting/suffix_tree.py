@@ -299,7 +299,11 @@ class SuffixProposer:
 
     def _trusted(self, limit: int, match: int) -> int:
         """Draft length after a suffix of `match` tokens: at most spec_factor x match (a
-        continuation seen once after two tokens is a guess; after twenty, a copy)."""
+        continuation seen once after two tokens is a guess; after twenty, a copy). A match
+        as deep as the trie follows one (max_depth - 1 tokens) may be longer still: it is
+        trusted as a copy, up to `limit`, so a shallow trie still drafts long copies."""
+        if match >= self.max_depth - 1:
+            return limit
         return min(limit, max(1, int(self.spec_factor * match)))
 
     def finish(self, request_id: str) -> None:
