@@ -6,6 +6,7 @@ engine process's pipe), and Metrics shows a CoreStats (a restarted engine counts
 
 from __future__ import annotations
 
+import gc
 import pickle
 
 import pytest
@@ -25,6 +26,7 @@ def test_outputs_add_up_to_the_engines_own_and_an_abort_ends_them(gguf_path,
     llm = LLM(EngineConfig(model=str(gguf_path), parallel=3, max_context=512),
               default_checkpoint)
     core = EngineCore(llm)
+    assert gc.get_freeze_count() > 0  # the loaded engine is out of the collector's passes
     prompts = [llm.encode_prompt(text) for text in ("Count to ten.", "Name three colors.",
                                                     "Say hello.")]
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=1, ignore_eos=True)
@@ -66,6 +68,7 @@ def test_outputs_add_up_to_the_engines_own_and_an_abort_ends_them(gguf_path,
     assert core.stats().step_seconds == []  # only the steps since the last CoreStats
     assert core.info.max_context == 512 and core.info.eos_token_ids == llm.eos_token_ids
     core.close()
+    assert gc.get_freeze_count() == 0
 
 
 def test_metrics_show_core_stats_and_a_restarted_engine_counts_afresh():

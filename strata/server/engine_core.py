@@ -9,6 +9,7 @@ here is plain data that pickles.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 
@@ -77,6 +78,11 @@ def one_line(error: BaseException) -> str:
 class EngineCore:
     def __init__(self, llm: LLM):
         self.llm, self.engine = llm, llm.engine
+        # What exists once the engine is loaded (modules, graphs, compiled code: millions of
+        # objects) lives as long as it does: leave it out of the collector's full passes,
+        # which the proposers' trees set off (one took 0.38 s on an H200's host).
+        gc.collect()
+        gc.freeze()
         self.info = EngineInfo(self.engine.max_context, self.engine.model_config.vocab_size,
                                llm.eos_token_ids)
         self._sent: dict[str, int] = {}  # output ids sent so far, per request in the engine
@@ -154,3 +160,4 @@ class EngineCore:
 
     def close(self) -> None:
         self.llm.close()
+        gc.unfreeze()  # what this engine leaves behind may be collected again
