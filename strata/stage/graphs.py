@@ -52,10 +52,10 @@ class _Captured:
     its graph and outputs."""
 
     def __init__(self, meta: ForwardMeta, graph: bool, staging: StagingBuffer | None = None,
-                 ids: torch.Tensor | None = None, carry: list[torch.Tensor] | None = None,
+                 ids: torch.Tensor | None = None, carry: torch.Tensor | None = None,
                  verify: list[torch.Tensor] | None = None):
         self.meta, self.staging, self.ids, self.verify = meta, staging, ids, verify
-        self.carry = carry  # first stage: the carried rows and the entries they come from
+        self.carry = carry  # first stage: [2, T] the carried rows, the entries they come from
         self.graph = torch.cuda.CUDAGraph() if graph else None
         self.out: Any = None
 
@@ -130,11 +130,12 @@ class StageGraphs:
             tensors += tensor_fields(padded.state)
         if self.stage.module.first:
             spare = [0] * (tokens - len(header.carry_rows))
-            tensors += [padded.token_ids, torch.tensor(header.carry_rows + spare),
-                        torch.tensor(header.carry_from + spare)]
+            tensors += [padded.token_ids, torch.tensor([header.carry_rows + spare,
+                                                        header.carry_from + spare])]
         if self.stage.module.last:
-            table = greedy_table(verify, self.shape.logit_rows(tokens), self.shape.num_entries)
-            tensors += [torch.tensor(column, dtype=torch.long) for column in table]
+            target, entry, start = greedy_table(verify, self.shape.logit_rows(tokens),
+                                                self.shape.num_entries)
+            tensors += [torch.tensor([target, entry]), torch.tensor(start)]
         return tensors
 
     def _static(self, padded: PaddedWindow, tokens: int, blank: WindowHeader) -> _Captured:
@@ -148,9 +149,8 @@ class StageGraphs:
         positions, logits_idx = next(views), next(views)
         attention = with_views(self.stage.backend.prepare_host(padded.batch), views)
         state = with_views(padded.state, views) if padded.state is not None else None
-        ids, carry = (next(views), [next(views), next(views)]) if self.stage.module.first \
-            else (None, None)
-        verify = list(views) if self.stage.module.last else None
+        ids, carry = (next(views), next(views)) if self.stage.module.first else (None, None)
+        verify = [*next(views), next(views)] if self.stage.module.last else None
         meta = ForwardMeta(positions=positions, logits_idx=logits_idx,
                            backend=self.stage.backend, attention=attention, state=state)
         return _Captured(meta, self.graphs, staging, ids, carry, verify)
