@@ -10,8 +10,9 @@ fields have shapes set only by the window's token count T, entry count B and blo
 width W — never by positions or lengths — and whose one plain field (`block_size`) is the
 engine's setting. So a graph runner can pad windows to a few (T, B, W) buckets, capture
 `forward` once per bucket over a static TritonMeta, and replay after copying a new
-window's metadata (`prepare_host`) into its tensors (stage/staging.py). Padding is harmless when dummy tokens have
-position 0 and write a spare block, and dummy entries' block-table rows name that block.
+window's metadata (`prepare_host`) into its tensors (stage/staging.py). Padding is
+harmless when dummy tokens have position 0 and write a spare block, and dummy entries'
+block-table rows name that block.
 `forward` never syncs with the host and allocates only by T, H and D.
 
 Importing this module does not import triton: the registered factory does, and says how to

@@ -1,10 +1,13 @@
 """StageGraphs: one stage's forward captured as a CUDA graph per window bucket, replayed.
 
-A graphed window is padded to its bucket (buckets.py), its metadata (and on the first
-stage its token ids) copied into the bucket's static buffers: views of one block of device
-memory that a single host-to-device copy fills (staging.py), in stream order, so a window
-prepared while the previous one still runs never disturbs it. Then the graph is replayed:
-one launch for the whole stage instead of several per layer. The outputs are copied out of
+A graphed window is padded to its bucket (buckets.py), its metadata copied into the
+bucket's static buffers (on the first stage its token ids and the rows it carries over too,
+on the last the greedy table of its entries): views of one block of device memory that a
+single host-to-device copy fills (staging.py), in stream order, so a window prepared while
+the previous one still runs never disturbs it. Then the graph is replayed: one launch for
+the whole stage instead of several per layer; the last stage's ends with every entry's
+greedy decision (`greedy_rows`), which the WindowVerifier takes for plain greedy windows,
+so their verification costs the host no launches. The outputs are copied out of
 the graph's buffers at once, so a later replay cannot overwrite a window not yet read.
 Windows larger than the largest bucket run eagerly. Capturing needs an attention backend
 whose metadata has static shapes (`capturable = True`, with `prepare_host(batch)`: the
@@ -178,8 +181,10 @@ class StageGraphs:
                          len(header.verify), carried, in_order)
 
     def replay(self, x: torch.Tensor, call: GraphCall):
-        """x: the real tokens' input (token ids are taken from the call on the first
-        stage). Returns the stage's outputs for the real rows, copied out of the graph."""
+        """x: the real tokens' input; on the first stage the token ids came with the
+        metadata, and x is what the group's window in flight decided, on the device, when
+        the call carries some of them over (else unused). Returns the stage's outputs for
+        the real rows, copied out of the graph (on the last stage with its decisions)."""
         entry = self.captured[call.tokens]
         if entry.ids is not None:  # the first stage: its ids came with the metadata...
             n = call.num_carried  # ...but those the window in flight decides (header.carry)
