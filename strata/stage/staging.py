@@ -65,8 +65,8 @@ class StagingBuffer:
         for view, value in zip(self._host_views[slot], values):
             view.copy_(value)
         self.block.copy_(self._hosts[slot], non_blocking=True)
-        if copied is not None:
-            copied.record()
+        if copied is not None:  # on the stream that copies (the block's device's)
+            copied.record(torch.cuda.current_stream(self.device))
 
 
 def _view(block: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
