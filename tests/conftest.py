@@ -169,9 +169,9 @@ def offline_compiled(code: str, cache: Path, archs: tuple[int, ...] = (86, 90)) 
         [sys.executable, "-c", f"arch = {arch}\n{code}"], cwd=Path(__file__).parent,
         env={**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(cache / str(arch))},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for arch in archs]
+    done = [(run, *run.communicate()) for run in runs]  # all finish, even when one fails
     printed = []
-    for run in runs:
-        out, err = run.communicate()
+    for run, out, err in done:
         assert run.returncode == 0, err[-4000:]
         printed += [int(n) for n in out.split()]
     return printed

@@ -111,6 +111,19 @@ def test_greedy_mixed_batch_of_draft_lengths():
         [top[0]], top[1:4], top[4:7], [top[8]], [top[10]]]
 
 
+def drafted_entries(rng: random.Random, logits: torch.Tensor,
+                    ks: list[int]) -> list[VerifyEntry]:
+    """Greedy entries with ks[i] drafts each over `logits`' first rows, each draft the
+    row's argmax three times in four (else any token)."""
+    top, row, entries = logits.argmax(-1).tolist(), 0, []
+    for i, k in enumerate(ks):
+        draft = [top[row + j] if rng.random() < 0.75 else rng.randrange(logits.shape[1])
+                 for j in range(k)]
+        entries.append(VerifyEntry(GREEDY, f"r{i}", draft))
+        row += k + 1
+    return entries
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_greedy_matches_reference_loop(device):
     rng = random.Random(3)
@@ -120,12 +133,7 @@ def test_greedy_matches_reference_loop(device):
         ks = [rng.randint(0, 5) for _ in range(rng.randint(1, 6))]
         logits = torch.randn(sum(k + 1 for k in ks), vocab,
                              generator=torch.Generator().manual_seed(case))
-        top, row, entries = logits.argmax(-1).tolist(), 0, []
-        for i, k in enumerate(ks):
-            draft = [top[row + j] if rng.random() < 0.75 else rng.randrange(vocab)
-                     for j in range(k)]
-            entries.append(VerifyEntry(GREEDY, f"r{i}", draft))
-            row += k + 1
+        entries = drafted_entries(rng, logits, ks)
         assert verifier.verify(logits.to(device), entries) == greedy_reference(logits, entries)
 
 
@@ -140,12 +148,7 @@ def test_greedy_rows_padded_to_a_bucket_decide_as_the_reference(device):
         real = sum(k + 1 for k in ks)
         rows, slots = real + rng.randint(0, 6), len(ks) + 1 + rng.randint(0, 3)
         logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(case))
-        top, row, entries = logits.argmax(-1).tolist(), 0, []
-        for i, k in enumerate(ks):
-            draft = [top[row + j] if rng.random() < 0.75 else rng.randrange(vocab)
-                     for j in range(k)]
-            entries.append(VerifyEntry(GREEDY, f"r{i}", draft))
-            row += k + 1
+        entries = drafted_entries(rng, logits, ks)
         table = [torch.tensor(c, device=device) for c in greedy_table(entries, rows, slots)]
         decided = greedy_rows(logits.to(device), *table)
         assert decided.shape == (2, slots)
