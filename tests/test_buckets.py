@@ -11,6 +11,7 @@ from strata.engine.engine import Engine
 from strata.sampling.params import SamplingParams
 from strata.stage.buckets import WindowShape, bucket_sizes, pad_window, pick_bucket
 from strata.stage.graphs import GraphCall, StageGraphs
+from strata.stage.staging import tensor_fields
 from test_pipeline import repetitive_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -90,6 +91,53 @@ def padded_everywhere(engine: Engine, sizes: list[int],
 
         stage.prepare = counted
     return counts
+
+
+@pytest.mark.parametrize("split", [(), (1,)])
+def test_a_window_written_into_its_bucket_equals_its_padded_tensors(tiny_models, split):
+    """A graphed window's metadata is written straight into its bucket's staging arrays
+    (StageGraphs._write, the backend's write_host): the same values as the padded window's
+    tensors (pad_window, prepare_host, the carried rows, greedy_table), on every stage of a
+    split, for windows with drafts and tokens carried from the window ahead."""
+    from strata.sampling.verifier import greedy_table
+
+    config = dict(model=str(tiny_models["llama"][0]), parallel=4, layer_split=split,
+                  max_window_tokens=32, spec=8, schedule_ahead="on")
+    running = Engine(EngineConfig(**config))
+    headers = []
+    prepare = running.runner.stages[0].prepare
+    running.runner.stages[0].prepare = lambda h: headers.append(h) or prepare(h)
+    running.generate(repetitive_prompts(320), GREEDY)
+    engine = Engine(EngineConfig(**config, attention_backend="triton"))
+    padded_everywhere(engine, [2, 5, 11, 24], max_logits=24)
+    checked = {"windows": 0, "carry": 0, "drafts": 0}
+    for stage in engine.runner.stages:
+        graphs, module = stage.graphs, stage.module
+        for header in headers:
+            with torch.inference_mode():  # as the runner prepares
+                call = graphs.prepare(header)
+            if call is None:
+                continue
+            padded = pad_window(header, call.tokens, graphs.shape)
+            want = [padded.batch.positions, padded.logits_idx,
+                    *tensor_fields(stage.backend.prepare_host(padded.batch))]
+            if module.first:
+                spare = [0] * (call.tokens - len(header.carry_rows))
+                want += [padded.token_ids, torch.tensor([header.carry_rows + spare,
+                                                         header.carry_from + spare])]
+            if module.last:
+                verify = [] if header.logits_all else header.verify
+                target, entry, start = greedy_table(verify, graphs.shape.logit_rows(
+                    call.tokens), graphs.shape.num_entries)
+                want += [torch.tensor([target, entry]), torch.tensor(start)]
+            views = graphs.captured[call.tokens].staging.views
+            assert len(views) == len(want)
+            for view, value in zip(views, want):
+                assert torch.equal(view, value.to(view.dtype))
+            checked["windows"] += 1
+            checked["carry"] += header.carry and module.first
+            checked["drafts"] += any(e.draft for e in header.verify) and module.last
+    assert checked["windows"] > 20 and checked["carry"] > 0 and checked["drafts"] > 0, checked
 
 
 @pytest.mark.parametrize("split,spec,backend", [((), 0, "reference"), ((), 8, "reference"),

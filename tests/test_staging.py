@@ -58,3 +58,25 @@ def test_a_mismatched_tensor_is_refused_before_anything_is_copied():
     with pytest.raises(StrataError, match="2 tensors for 3 views"):
         staging.fill([new.rows, new.table])
     assert torch.equal(static.rows, first.rows) and torch.equal(static.table, first.table)
+
+
+def test_a_window_written_into_a_claimed_slot_reaches_the_views_when_sent():
+    """`claim` names the ring slot whose host arrays (numpy, over the pinned block on a GPU)
+    take the next window's values; `send` copies them into the device views and moves on
+    to the next slot, so a window written ahead never changes one queued before it."""
+    first = meta(0)
+    staging = StagingBuffer(tensor_fields(first), torch.device("cpu"), ring=3)
+    static = with_views(first, iter(staging.views))
+    slots = []
+    for seed in range(1, 8):
+        new = meta(seed)
+        slot = staging.claim()
+        host = with_views(new, iter(staging.hosts[slot]))
+        host.rows[:] = new.rows.numpy()
+        host.table[...] = new.table.numpy()
+        assert not torch.equal(static.rows, new.rows)  # not before it is sent
+        staging.send(slot)
+        slots.append(slot)
+        assert torch.equal(static.rows, new.rows) and torch.equal(static.table, new.table)
+    assert slots == [1, 2, 0, 1, 2, 0, 1]  # the templates' copy took slot 0
+    assert len({id(h[0]) for h in staging.hosts}) == 3

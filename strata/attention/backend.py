@@ -1,5 +1,6 @@
-"""The AttentionBackend interface, the AttentionBatch it is prepared from, the registry of
-backends by name (`--attention-backend`)."""
+"""The AttentionBackend interface, the AttentionBatch it is prepared from (and how a batch is
+padded to a CUDA-graph bucket: BatchPadding), the registry of backends by name
+(`--attention-backend`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from strata.errors import StrataError
@@ -26,6 +28,32 @@ class AttentionBatch:
     block_size: int
 
 
+@dataclass(frozen=True)
+class BatchPadding:
+    """A batch padded to `tokens` tokens and `entries` entries (a CUDA-graph bucket,
+    stage/buckets.py). The extra tokens form one more entry, at position 0, writing cache
+    row `row` (in a block no slot is ever given); the extra entries are empty, and every
+    block-table cell past an entry's own blocks names `block`."""
+    tokens: int
+    entries: int
+    row: int
+    block: int
+
+    def query_lens(self, query_lens: list[int]) -> list[int]:
+        extra = self.entries - len(query_lens) - 1
+        if extra < 0 or sum(query_lens) > self.tokens:
+            raise ValueError(f"{sum(query_lens)} tokens in {len(query_lens)} entries do not "
+                             f"fit {self.tokens} tokens and {self.entries - 1} entries")
+        return [*query_lens, self.tokens - sum(query_lens)] + [0] * extra
+
+
+def write_padded(into: np.ndarray, values: np.ndarray | list[int], fill: int) -> None:
+    """`values` into the first rows of `into` (a staging buffer's host array), `fill` after."""
+    n = len(values)
+    into[:n] = values
+    into[n:] = fill
+
+
 class AttentionBackend(Protocol):
     name: str
 
@@ -38,6 +66,12 @@ class AttentionBackend(Protocol):
         """q [T, H, D], k and v [T, Hkv, D] -> [T, H, D]. Writes k and v into the window's
         cache rows, then each token attends to its own entry's keys at positions up to
         its own. `scale` multiplies q·k (default 1/sqrt(D))."""
+
+    # A backend that CUDA graphs capture (`capturable = True`) also has
+    # `prepare_host(batch)`: the metadata on the host (a bucket's shapes, from a padded
+    # batch), and `write_host(into, batch, padding)`: the same values of `batch` padded by
+    # `padding`, written into `into` (metadata whose tensor fields are numpy arrays: a
+    # staging buffer's host side), without building a padded batch first.
 
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}

@@ -10,9 +10,10 @@ fields have shapes set only by the window's token count T, entry count B and blo
 width W — never by positions or lengths — and whose one plain field (`block_size`) is the
 engine's setting. So a graph runner can pad windows to a few (T, B, W) buckets, capture
 `forward` once per bucket over a static TritonMeta, and replay after copying a new
-window's metadata (`prepare_host`) into its tensors (stage/staging.py). Padding is
+window's metadata into its tensors (stage/staging.py): `write_host` writes a window's
+values, padded to the bucket, straight into the staging buffer's host arrays. Padding is
 harmless when dummy tokens have position 0 and write a spare block, and dummy entries'
-block-table rows name that block.
+block-table rows name that block (BatchPadding).
 `forward` never syncs with the host and allocates only by T, H and D.
 
 Importing this module does not import triton: the registered factory does, and says how to
@@ -28,7 +29,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from strata.attention.backend import AttentionBatch, register_backend
+from strata.attention.backend import (AttentionBatch, BatchPadding, register_backend,
+                                     write_padded)
 from strata.errors import StrataError
 from strata.kvcache.cache import PagedKVCache
 
@@ -46,10 +48,10 @@ class TritonMeta:
     block_size: int             # tokens per KV block (the engine's --block-size)
 
 
-def query_tiles(query_lens: list[int], num_tiles: int) -> torch.Tensor:
-    """[3, num_tiles]: (entry, first token, token count) of each run of at most TILE_TOKENS
-    consecutive tokens of one entry, in window order; unused tiles are (0, 0, 0). Plain
-    Python over a few entries: cheaper on the host than tensor ops."""
+def query_tiles(query_lens: list[int], num_tiles: int) -> list[list[int]]:
+    """3 rows of `num_tiles`: (entry, first token, token count) of each run of at most
+    TILE_TOKENS consecutive tokens of one entry, in window order; unused tiles are (0, 0, 0).
+    Plain Python over a few entries: cheaper on the host than tensor ops."""
     tiles: list[list[int]] = [[], [], []]
     start = 0
     for entry, length in enumerate(query_lens):
@@ -59,7 +61,13 @@ def query_tiles(query_lens: list[int], num_tiles: int) -> torch.Tensor:
             tiles[2].append(min(TILE_TOKENS, length - offset))
         start += length
     unused = num_tiles - len(tiles[0])
-    return torch.tensor([row + [0] * unused for row in tiles], dtype=torch.int32)
+    return [row + [0] * unused for row in tiles]
+
+
+def tiles_for(tokens: int, entries: int) -> int:
+    """Query tiles of a window of `tokens` tokens in `entries` entries: a bound by shape,
+    not the count one window uses (each entry's last tile may be partial)."""
+    return -(-tokens // TILE_TOKENS) + entries
 
 
 class TritonBackend:
@@ -81,14 +89,25 @@ class TritonBackend:
     def prepare_host(self, batch: AttentionBatch) -> TritonMeta:
         """The metadata on the host: what a CUDA graph's static buffers are filled from
         (one copy each, no device-to-device step)."""
-        tokens, entries = len(batch.positions), len(batch.query_lens)
-        # NOTE: the tile count is a bound by shape (T, B), not the count this window uses.
-        tiles = query_tiles(batch.query_lens, -(-tokens // TILE_TOKENS) + entries)
+        tiles = torch.tensor(query_tiles(batch.query_lens, tiles_for(
+            len(batch.positions), len(batch.query_lens))), dtype=torch.int32)
         return TritonMeta(slot_mapping=batch.slot_mapping.to(dtype=torch.long),
                           positions=batch.positions.to(dtype=torch.int32),
                           block_tables=batch.block_tables.to(dtype=torch.int32),
                           tile_entry=tiles[0], tile_start=tiles[1], tile_count=tiles[2],
                           block_size=batch.block_size)
+
+    def write_host(self, into: TritonMeta, batch: AttentionBatch,
+                   padding: BatchPadding) -> None:
+        """`prepare_host` of `batch` padded by `padding`, written into `into`'s arrays (a
+        staging buffer's host side): a few numpy writes, no tensors made."""
+        write_padded(into.slot_mapping, batch.slot_mapping.numpy(), padding.row)
+        write_padded(into.positions, batch.positions.numpy(), 0)
+        tables = batch.block_tables.numpy()
+        into.block_tables[:] = padding.block
+        into.block_tables[:tables.shape[0], :tables.shape[1]] = tables
+        tiles = query_tiles(padding.query_lens(batch.query_lens), len(into.tile_entry))
+        into.tile_entry[:], into.tile_start[:], into.tile_count[:] = tiles
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cache: PagedKVCache, meta: TritonMeta,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.attention.backend import AttentionBatch
+from strata.attention.backend import AttentionBatch, BatchPadding
 from strata.layers.state_meta import StateMeta
 from strata.scheduler.window import WindowHeader
 
@@ -55,6 +55,12 @@ class WindowShape:
         return min(tokens, self.max_logits)
 
 
+    def padding(self, tokens: int, block_size: int) -> BatchPadding:
+        """How a window is padded to the bucket of `tokens` tokens."""
+        return BatchPadding(tokens, self.num_entries, self.padding_block * block_size,
+                            self.padding_block)
+
+
 @dataclass(frozen=True)
 class PaddedWindow:
     batch: AttentionBatch     # T tokens, `num_entries` entries, `table_width` blocks each
@@ -75,19 +81,17 @@ def pad_window(header: WindowHeader, tokens: int, shape: WindowShape) -> PaddedW
                          f"{len(logits_idx)} logits rows does not fit a bucket of {tokens} "
                          f"tokens, {shape.num_entries - 1} entries and {rows} rows")
     pad = tokens - real
-    size = header.block_size
-    padding_row = shape.padding_block * size
-    query_lens = [*header.query_lens, pad] + [0] * (shape.num_entries - entries - 1)
+    padding = shape.padding(tokens, header.block_size)
     tables = torch.full((shape.num_entries, shape.table_width), shape.padding_block,
                         dtype=torch.long)
     width = header.block_tables.shape[1]
     tables[:entries, :width] = header.block_tables
     batch = AttentionBatch(
-        query_lens=query_lens,
+        query_lens=padding.query_lens(header.query_lens),
         positions=_extend(header.positions, pad, 0),
-        slot_mapping=_extend(header.slot_mapping, pad, padding_row),
+        slot_mapping=_extend(header.slot_mapping, pad, padding.row),
         block_tables=tables,
-        block_size=size)
+        block_size=header.block_size)
     state = (StateMeta.build(header.query_lens, header.starts, header.num_drafts,
                              header.state_rows, tokens, shape.num_entries)
              if shape.state else None)

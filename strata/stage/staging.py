@@ -5,12 +5,15 @@ the first stage's token ids) is a handful of small tensors. Copied one by one fr
 pageable host memory, each is a synchronous staging copy of ~10-20 us of host time on a
 GPU: most of a window's preparation. Here every such tensor of a bucket is a view into one
 device block of bytes (the views are what its CUDA graph captured); a window's values are
-written into the same layout in pinned host memory (plain CPU copies) and the block moves
-in one asynchronous copy, in stream order behind the windows already queued.
+written into the same layout in pinned host memory and the block moves in one asynchronous
+copy, in stream order behind the windows already queued. The host side is numpy arrays over
+that memory: a graph runner writes a window's lists and tensors straight into them
+(`claim`, then `send`), about a microsecond a field where a torch op costs several.
 
 The pinned blocks form a ring: a block is written again only once its copy has run (an
 event per block), so preparing a window while earlier ones are still queued never changes
-what they read. On the CPU (the tests) the same layout and copy run without pinning.
+what they read. On the CPU (the tests) the same layout, ring and copy run without pinning
+(each copy done before `send` returns).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import fields, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from strata.errors import StrataError
@@ -40,16 +44,34 @@ class StagingBuffer:
         self.views = [_view(self.block, o, t) for o, t in zip(self.offsets, templates)]
         pinned = self.device.type == "cuda"
         self._hosts = [torch.zeros(self.block.shape, dtype=torch.uint8, pin_memory=pinned)
-                       for _ in range(ring if pinned else 1)]
-        self._host_views = [[_view(h, o, t) for o, t in zip(self.offsets, templates)]
-                            for h in self._hosts]
+                       for _ in range(ring)]
+        # numpy arrays over each pinned block: what a window's values are written into
+        self.hosts = [[_view(h, o, t).numpy() for o, t in zip(self.offsets, templates)]
+                      for h in self._hosts]
         self._copied = [torch.cuda.Event() if pinned else None for _ in self._hosts]
         self._next = 0
         self.fill(templates)
 
+    def claim(self) -> int:
+        """The ring slot the next window is written into (`hosts[slot]`), once its last
+        copy has run (long since, as a rule); `send(slot)` then moves it."""
+        slot = self._next
+        copied = self._copied[slot]
+        if copied is not None:
+            copied.synchronize()
+        return slot
+
+    def send(self, slot: int) -> None:
+        """Queue the copy of `hosts[slot]` into the device views on the current stream."""
+        self._next = (slot + 1) % len(self._hosts)
+        self.block.copy_(self._hosts[slot], non_blocking=True)
+        copied = self._copied[slot]
+        if copied is not None:  # on the stream that copies (the block's device's)
+            copied.record(torch.cuda.current_stream(self.device))
+
     def fill(self, values: list[torch.Tensor]) -> None:
         """Copy `values` (host tensors, one per template, same shapes and dtypes) into the
-        device views, with one host-to-device copy queued on the current stream."""
+        device views, with one host-to-device copy."""
         if len(values) != len(self.views):
             raise StrataError(f"staging: {len(values)} tensors for {len(self.views)} views")
         for i, (view, value) in enumerate(zip(self.views, values)):
@@ -57,16 +79,10 @@ class StagingBuffer:
                 raise StrataError(f"staging: tensor {i} is {tuple(value.shape)} {value.dtype}, "
                                   f"its view {tuple(view.shape)} {view.dtype} (pad the window "
                                   f"to its bucket's shape)")
-        slot = self._next
-        self._next = (slot + 1) % len(self._hosts)
-        copied = self._copied[slot]
-        if copied is not None:
-            copied.synchronize()  # its last copy has run (long since, as a rule)
-        for view, value in zip(self._host_views[slot], values):
-            view.copy_(value)
-        self.block.copy_(self._hosts[slot], non_blocking=True)
-        if copied is not None:  # on the stream that copies (the block's device's)
-            copied.record(torch.cuda.current_stream(self.device))
+        slot = self.claim()
+        for host, value in zip(self.hosts[slot], values):
+            host[...] = value.numpy()
+        self.send(slot)
 
 
 def _view(block: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
@@ -74,14 +90,15 @@ def _view(block: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
     return block[offset:offset + size].view(like.dtype).view(like.shape)
 
 
-def tensor_fields(meta: Any) -> list[torch.Tensor]:
-    """The tensor fields of a metadata dataclass, in field order."""
+def tensor_fields(meta: Any) -> list[Any]:
+    """The tensor fields of a metadata dataclass (torch tensors or, on a staging buffer's
+    host side, numpy arrays), in field order."""
     return [value for f in fields(meta)
-            if isinstance(value := getattr(meta, f.name), torch.Tensor)]
+            if isinstance(value := getattr(meta, f.name), torch.Tensor | np.ndarray)]
 
 
 def with_views(meta: Any, views: Iterator[torch.Tensor]) -> Any:
     """`meta` (a frozen dataclass) with each tensor field replaced by the next of `views`,
     in field order: how a bucket's static metadata comes to live in a StagingBuffer."""
     return replace(meta, **{f.name: next(views) for f in fields(meta)
-                            if isinstance(getattr(meta, f.name), torch.Tensor)})
+                            if isinstance(getattr(meta, f.name), torch.Tensor | np.ndarray)})
