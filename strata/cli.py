@@ -49,7 +49,10 @@ def _list_of(kind):
 
 
 def add_config_flags(parser: argparse.ArgumentParser, cls, defaults: dict | None = None) -> None:
-    """One flag per field of the frozen config dataclass `cls` (help from its metadata)."""
+    """One flag per field of the frozen config dataclass `cls` (help from its metadata: plain
+    text, so the parser formats help with HelpFormatter, which escapes its "%")."""
+    if not issubclass(parser.formatter_class, HelpFormatter):
+        parser.formatter_class = HelpFormatter
     defaults = defaults or {}
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")

@@ -72,3 +72,16 @@ def test_generate_checks_devices_before_loading(flags, needle):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
     assert needle in lines[-1] and not any("loading" in line for line in lines)
+
+
+def test_engine_flags_help_formats_in_any_parser():
+    """The benchmarks add the engine's flags to plain parsers: their help, plain text with
+    "%" in it (`--expert-cache auto|N%|NGiB`), still formats."""
+    import argparse
+
+    from strata.cli import add_engine_flags
+
+    parser = argparse.ArgumentParser(description="a benchmark")
+    add_engine_flags(parser)
+    text = " ".join(parser.format_help().split())
+    assert "N%" in text and "a benchmark" in text
