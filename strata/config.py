@@ -177,8 +177,7 @@ class EngineConfig:
         "an MTP draft chain stops when a draft token's probability falls below this"))
     spec_token_cost: float = field(default=0.05, metadata=_opt(
         "cost of one more token in a window, as a fraction of a one-token window; a draft "
-        "token is sent only while its expected acceptance exceeds it times the window's "
-        "decoding slots (the tokens it delays)"))
+        "token is sent only while its expected acceptance exceeds it"))
     spec_window_cost: float = field(default=1.0, metadata=_opt(
         "with windows built ahead (--schedule-ahead): what a slot gives up by carrying "
         "drafts, in tokens: it sits out the window built ahead of its drafted one (the "

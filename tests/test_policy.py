@@ -51,12 +51,3 @@ def test_a_failing_proposer_backs_off_and_is_retried():
     assert sum(sent[30:]) < 15        # mostly sits out...
     assert any(sent[30:])             # ...but is tried again now and then
     assert r.draft_stats.by_proposer["bad"].accepted == 0
-
-
-def test_a_draft_token_costs_more_in_a_window_with_more_tokens():
-    """A draft token delays every token its window carries: at 4 tokens it is charged 4
-    times `--spec-token-cost`, so a tail that pays for itself alone is cut in company."""
-    policy = DraftPolicy([Fixed("p", [5, 6, 7, 8], [0.9, 0.6, 0.15, 0.1])], token_cost=0.05)
-    assert policy.draft(request(), room=8, window_tokens=1).tokens == [5, 6, 7, 8]
-    assert policy.draft(request(), room=8, window_tokens=4).tokens == [5, 6]  # 0.15 < 0.2
-    assert policy.draft(request(), room=8, window_tokens=20) is None  # 0.9 < 1.0

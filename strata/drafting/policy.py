@@ -4,9 +4,7 @@ Every proposer's draft carries cumulative scores c_j (the probability that its f
 tokens are all right). Scaled by the request's running acceptance r for that proposer
 (its recent drafts' accepted over expected tokens),
 token j is worth r * c_j expected accepted tokens and costs `--spec-token-cost` (one
-more token in the window, as a fraction of a one-token window) for every token the window
-makes (one per decoding slot): while a window's cost hardly grows with its tokens, the
-time it adds is time in which the engine would have made that many tokens. The draft is cut where
+more token in the window, as a fraction of a one-token window). The draft is cut where
 the next token is worth less than it costs, and the proposer with the larger net gain
 wins. A caller may also price drafting itself (`window_cost`: what the slot loses by
 carrying drafts at all, when windows are built ahead: it sits one out): a draft whose net
@@ -80,14 +78,13 @@ class DraftPolicy:
         proposer also keeps to its own limit), if its net gain exceeds `window_cost`.
         `known`: the draft's first tokens come anyway (a window in flight computes them:
         the draft is a guess of its token), so only the tokens after them count as gain.
-        `window_tokens`: the tokens the window makes without drafts (one per decoding slot:
-        each draft token costs `token_cost` times as many, as it delays them all)."""
+        `window_tokens`: the tokens the window carries without this draft (load prices)."""
         if room <= 0:
             return None
         if self.load is not None:
             return self.draft_window([request], [room], room, window_tokens, window_cost,
                                      known=known)[0]
-        token_cost = self.token_cost * max(1, window_tokens)
+        token_cost = self.token_cost
         if self.pricing is not None:
             window_cost += self.pricing.entry_cost
             token_cost = max(token_cost, self.pricing.token_cost)
@@ -123,6 +120,7 @@ class DraftPolicy:
                 drafts.append(draft)
                 if draft is not None:
                     budget -= len(draft.tokens)
+                    window_tokens += len(draft.tokens)
             return drafts
         offers = [self._offer(request, room) for request, room in zip(requests, rooms)]
         if len(offers) == 1 and offers[0] is not None:  # in its own order: `known` first

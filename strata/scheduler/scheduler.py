@@ -282,7 +282,7 @@ class Scheduler:
         busy.sort(key=lambda s: s.num_pending > 1)  # decoding slots first, then prompts
         budget = self.max_window_tokens
         entries: list[tuple[Slot, int]] = []
-        tokens = sum(s.num_pending == 1 for s in busy)  # what it makes without drafts
+        tokens = sum(s.num_pending == 1 for s in busy)  # the window's, before any draft
         together = self.drafts is not None and self.drafts.load is not None
         if together:  # load pricing: the decoding slots' drafts are decided together
             self._draft_together(group, [s for s in busy if s.num_pending == 1][:budget],
@@ -298,6 +298,7 @@ class Scheduler:
                 count = self._with_draft(slot, budget, tokens)
                 if count is None:
                     continue
+                tokens += count - 1
             else:
                 slot.draft, count = None, min(slot.num_pending, budget)
                 if slot.snapshot_row is not None:
@@ -315,8 +316,7 @@ class Scheduler:
         """A decoding slot's tokens in the next window: its last one and the drafts the
         policy picks (None if its proposer failed: the request failed with it). A draft
         must gain more than `window_cost`: the slot then sits out the window built ahead
-        of this one. `window_tokens`: the tokens the window makes without drafts (its
-        decoding slots)."""
+        of this one. `window_tokens`: the window's tokens so far, without this draft."""
         slot.draft = None
         if self.drafts is not None:
             with self._isolated(slot):
