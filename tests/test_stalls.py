@@ -35,3 +35,30 @@ def test_the_collector_is_timed():
     gc.collect()
     del junk
     assert clock.seconds[2] > before
+
+
+def test_cpu_stages_compute_is_never_counted_as_host_time(tiny_models):
+    """On the CPU a stage computes in the engine's own launch. With windows built ahead the
+    window launched in a step is not the one it collects, and the compute subtracted from
+    the step must be the launched one's: a step's host time is never negative, so the
+    running mean that stalls are judged by stays a host time."""
+    from strata.config import EngineConfig
+    from strata.engine.engine import Engine
+    from strata.sampling.params import SamplingParams
+    from test_pipeline import repetitive_prompts
+
+    engine = Engine(EngineConfig(model=str(tiny_models["llama"][0]), parallel=4, spec=8,
+                                 schedule_ahead="on"))
+    watch, hosts = engine.stalls, []
+    committed = watch.committed
+
+    def spied(now, launch, wait):
+        if watch._last is not None:
+            hosts.append(now - watch._last - wait)
+        committed(now, launch, wait)
+
+    watch.committed = spied
+    engine.generate(repetitive_prompts(320), SamplingParams(temperature=0, max_tokens=40,
+                                                            ignore_eos=True))
+    assert len(hosts) > 20 and min(hosts) >= 0, sorted(hosts)[:3]
+    assert engine.stalls._mean > 0

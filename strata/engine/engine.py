@@ -117,7 +117,8 @@ class Engine:
         # Stages computing in this process on the CPU: their time is compute, not a stall.
         self._cpu_stages = [] if config.stage_processes else [
             i for i in range(self.runner.num_stages) if config.stage_device(i).type == "cpu"]
-        self._launching = 0.0         # seconds launching windows since the last commit
+        self._launching = 0.0         # seconds launching windows since the last commit,
+        self._computing = 0.0         # and the CPU stages' compute within them
         self.observers: list = []     # called with (window, result) of each commit
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
 
@@ -186,12 +187,15 @@ class Engine:
         idle = self.runner.num_in_flight == 0
         if idle:
             self.stalls.idle(start)
-            self._launching = 0.0
+            self._launching = self._computing = 0.0
         if self.meter is not None:
             self.meter.launched(window, start, idle)
         if idle and self.load is not None:
             self.load.resume(start)
         self.runner.submit(window)
+        if self._cpu_stages:  # in this process: they computed the window just now
+            seconds = self.runner.submitted_seconds
+            self._computing += sum(seconds[i] for i in self._cpu_stages)
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
@@ -217,9 +221,11 @@ class Engine:
             self.load.observe(window.header.group, window.header.num_tokens,
                               seconds if self.config.stage_processes else [sum(seconds)],
                               sum(len(t) for t in result.tokens), commit)
-        computing = sum(result.stage_seconds[i] for i in self._cpu_stages)
-        self.stalls.committed(commit, self._launching - computing, commit - collect + computing)
-        self._launching = 0.0
+        # The CPU stages' compute since the last commit (the windows launched in this
+        # step, not the one collected: with windows built ahead they differ) is theirs.
+        self.stalls.committed(commit, self._launching - self._computing,
+                              commit - collect + self._computing)
+        self._launching = self._computing = 0.0
         updated = self.scheduler.commit(window, result.tokens, result.stage_drafts,
                                         result.errors, result.logprobs)
         self.scheduler_seconds += (collect - start) + (time.perf_counter() - commit)

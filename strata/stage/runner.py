@@ -81,6 +81,8 @@ class ModelRunner:
             stage.capture_graphs(config)
         self.last = WindowVerifier(self.stages[-1], config)
         self._queue: deque[tuple[Window, LaunchedWindow, list[float]]] = deque()  # launched
+        # each stage's host seconds in the last submit (a CPU stage's compute: it runs there)
+        self.submitted_seconds: list[float] = []
 
     @property
     def num_stages(self) -> int:
@@ -113,6 +115,7 @@ class ModelRunner:
                 pair[1].record()
             seconds.append(time.perf_counter() - start)
             events.append(pair)
+        self.submitted_seconds = seconds
         logits, hidden, decided = x
         self._queue.append((window, self.last.launch(header, logits, hidden, decided),
                             (seconds, events)))
