@@ -54,7 +54,6 @@ class WindowShape:
         """Logits rows of a bucket of `tokens` tokens."""
         return min(tokens, self.max_logits)
 
-
     def padding(self, tokens: int, block_size: int) -> BatchPadding:
         """How a window is padded to the bucket of `tokens` tokens."""
         return BatchPadding(tokens, self.num_entries, self.padding_block * block_size,
