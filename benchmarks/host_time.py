@@ -38,7 +38,7 @@ from strata.stage.runner import ModelRunner
 from strata.stage.stage import Stage
 
 TIMED = [(Engine, ["step", "launch"]),
-         (Scheduler, ["schedule", "schedule_ahead", "commit", "_would_draft", "_with_draft",
+         (Scheduler, ["schedule", "schedule_ahead", "commit", "_on_a_guess", "_with_draft",
                       "_build", "_admit"]),
          (DraftPolicy, ["draft", "committed"]),
          (SuffixProposer, ["extend", "propose"]), (LookupProposer, ["extend", "propose"]),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,40 @@ def prompts(n: int, vocab: int, seed: int = 0, low: int = 3, high: int = 40) -> 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high, (n,), generator=g).tolist()
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+class Oracle:
+    """A proposer that knows the greedy continuation of each prompt it is given and drafts
+    it with some tokens wrong (seeded): windows carry drafts that are accepted, cut short
+    and rejected outright, so every way a window's drafts roll back is exercised. It
+    drafts nothing for other prompts."""
+    name, on_last_stage = "oracle", False
+
+    def __init__(self, prompts: list[list[int]], outputs: list[list[int]], seed: int = 0):
+        self.expected = {tuple(p): o for p, o in zip(prompts, outputs)}
+        self.rng = random.Random(seed)
+        self.requests: dict[str, tuple[list[int], list[int]]] = {}
+
+    def start(self, rid, prompt):
+        if tuple(prompt) in self.expected:
+            self.requests[rid] = (self.expected[tuple(prompt)], [])
+
+    def extend(self, rid, tokens, stage_drafts=None):
+        if rid in self.requests:
+            self.requests[rid][1].extend(tokens)
+
+    def finish(self, rid):
+        self.requests.pop(rid, None)
+
+    def propose(self, rid, max_tokens):
+        from strata.drafting.draft import Draft
+
+        expected, done = self.requests.get(rid, ([], []))
+        ahead = expected[len(done):len(done) + min(max_tokens, 4)]
+        if not ahead:
+            return None
+        tokens = [t if self.rng.random() > 0.25 else (t + 1) % 320 for t in ahead]
+        return Draft(tokens, [0.9 ** (j + 1) for j in range(len(tokens))], self.name)
 
 
 SM86_SHARED = 99 * 1024  # the most shared memory a block may use on an RTX 3090

@@ -51,3 +51,20 @@ def test_a_failing_proposer_backs_off_and_is_retried():
     assert sum(sent[30:]) < 15        # mostly sits out...
     assert any(sent[30:])             # ...but is tried again now and then
     assert r.draft_stats.by_proposer["bad"].accepted == 0
+
+
+def test_drafts_after_a_guess_keep_their_own_running_acceptance():
+    """Drafts after a guess of a token in flight fail with the guess: their record is kept
+    apart from the same proposer's drafts after a known token, each learning its own."""
+    policy = DraftPolicy([Fixed("fixed", [5, 6, 7, 8], [0.9, 0.8, 0.7, 0.6])], token_cost=0.05)
+    r = request()
+    for _ in range(2):
+        after = policy.draft(r, room=8, window_cost=0.5, known=1)
+        assert after.tokens == [6, 7, 8] and after.after_guess
+        policy.record(r, after, accepted=0)  # the guess keeps missing
+    assert policy.draft(r, room=8, window_cost=0.5, known=1) is None  # those stopped...
+    known = policy.draft(r, room=8, window_cost=0.5)  # ...those after a known token did not
+    assert known.tokens == [5, 6, 7, 8] and not known.after_guess
+    policy.record(r, known, accepted=4)
+    assert policy.draft(r, room=8, window_cost=0.5, known=1) is None
+    assert r.draft_stats.by_proposer["fixed"].drafted == 2 * 3 + 4  # one proposer's stats

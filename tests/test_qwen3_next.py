@@ -7,16 +7,14 @@ with pipelined groups — every slot's recurrent state follows exactly its accep
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, prompts
+from conftest import TINY, Oracle, prompts
 from test_logits import GREEDY, assert_logits_close, reference_greedy
 
 from strata.config import EngineConfig
-from strata.drafting.draft import Draft
 from strata.engine.engine import Engine
 from strata.layers.deltanet import CHUNK
 from strata.sampling.params import SamplingParams
@@ -136,35 +134,6 @@ DRAFT_CASES = {
 }
 
 
-class Oracle:
-    """A proposer that knows each prompt's greedy continuation and drafts it with some
-    tokens wrong (seeded): windows carry drafts that are accepted, cut short and
-    rejected outright, so every way a state rolls back is exercised."""
-    name, on_last_stage = "oracle", False
-
-    def __init__(self, prompts: list[list[int]], outputs: list[list[int]], seed: int = 0):
-        self.expected = {tuple(p): o for p, o in zip(prompts, outputs)}
-        self.rng = random.Random(seed)
-        self.requests: dict[str, tuple[list[int], list[int]]] = {}
-
-    def start(self, rid, prompt):
-        self.requests[rid] = (self.expected[tuple(prompt)], [])
-
-    def extend(self, rid, tokens, stage_drafts=None):
-        self.requests[rid][1].extend(tokens)
-
-    def finish(self, rid):
-        self.requests.pop(rid, None)
-
-    def propose(self, rid, max_tokens):
-        expected, done = self.requests[rid]
-        ahead = expected[len(done):len(done) + min(max_tokens, 4)]
-        if not ahead:
-            return None
-        tokens = [t if self.rng.random() > 0.25 else (t + 1) % 320 for t in ahead]
-        return Draft(tokens, [0.9 ** (j + 1) for j in range(len(tokens))], self.name)
-
-
 @pytest.mark.parametrize("case", list(DRAFT_CASES))
 def test_greedy_output_is_the_same_with_drafts(qwen3_next, case):
     folder, model = qwen3_next
@@ -177,11 +146,21 @@ def test_greedy_output_is_the_same_with_drafts(qwen3_next, case):
     want = plain.generate(batch, params)
     engine = Engine(EngineConfig(model=str(folder), max_context=256, spec=4,
                                  spec_token_cost=0.0, **settings))
-    engine.scheduler.drafts.proposers = [Oracle(batch, want)]
+    ahead = settings.get("schedule_ahead") == "on"
+    # windows built ahead: half the requests draft, the others go on in windows ahead,
+    # where slots draft on a guess of their token in flight (all drafting, none is built)
+    drafting = batch[::2] if ahead else batch
+    engine.scheduler.drafts.proposers = [Oracle(drafting, want[::2] if ahead else want)]
+    headers = []
+    submit = engine.runner.submit
+    engine.runner.submit = lambda window: (headers.append(window.header), submit(window))
     try:
         assert engine.generate(batch, params) == want
         stats = engine.draft_stats
         assert stats.accepted > 0 and stats.drafted > stats.accepted, stats
+        if ahead:
+            from test_schedule_ahead import drafts_ahead
+            assert all(drafts_ahead([h for h in headers if h.carry]))
     finally:
         engine.close()
 
@@ -209,12 +188,19 @@ def test_windows_padded_to_graph_buckets_keep_greedy_output(qwen3_next, path):
         for layer in stage.module.modules():
             if isinstance(layer, GatedDeltaNet):
                 layer.path = path
-    engine.scheduler.drafts.proposers = [Oracle(batch, want)]
+    # half the requests draft: the others go on in windows built ahead, beside drafting
+    # slots back from a window sat out
+    engine.scheduler.drafts.proposers = [Oracle(batch[::2], want[::2])]
     counts = padded_everywhere(engine, [3, 7, 13, 23])
+    headers = []
+    submit = engine.runner.submit
+    engine.runner.submit = lambda window: (headers.append(window.header), submit(window))
     assert engine.generate(batch, params) == want
     stats = engine.draft_stats
     assert stats.accepted > 0 and stats.drafted > stats.accepted, stats
     assert counts["padded"] > 5 and counts["eager"] > 0, counts
+    from test_schedule_ahead import drafts_ahead
+    assert drafts_ahead([h for h in headers if h.carry])[0] > 0
 
 
 def test_random_weights_of_its_config_run(qwen3_next):

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from conftest import prompts
+from conftest import Oracle, prompts
 from strata.config import EngineConfig
 from strata.drafting.draft import Draft
 from strata.drafting.policy import DraftPolicy
@@ -89,70 +89,73 @@ class DraftsFor:
             if rid in self.ids else None
 
 
-def test_a_slot_with_drafts_sits_out_the_window_ahead_and_the_others_go_on():
-    """Slot 0 drafts: a window built ahead of one where it would draft or does carries
-    slots 1 and 2 only (their tokens from the device), and the one after that takes slot 0
-    back, with its token known by then and new drafts, beside slots 1 and 2 carried."""
+def test_a_slot_drafts_after_its_guessed_token_and_sits_out_the_window_after():
+    """Slot 0 drafts: a window built ahead of its window in flight carries its token in
+    flight, then the drafts after its proposer's guess of that token (not the guess);
+    the window built ahead of that one carries slots 1 and 2 only (their tokens from the
+    device); the one after that takes slot 0 back, with its token known by then and new
+    drafts, beside slots 1 and 2 carried."""
     a, b, c = make(3, max_tokens=20), make(5, max_tokens=20), make(4, max_tokens=20)
     sched = Scheduler(num_slots=3, max_context=64, max_window_tokens=32, block_size=4,
                       drafts=DraftPolicy([DraftsFor(a)], token_cost=0.05), ahead=True,
-                      window_cost=0.4)  # sitting out to draft: 0.95 after the guess > 2 x 0.4
+                      window_cost=0.4)  # a draft after the guess: 0.95 > 0.4
     for r in (a, b, c):
         sched.add(r)
     prompts = sched.schedule()
     assert prompts.header.query_lens == [3, 5, 4]
-    ahead = sched.schedule_ahead()  # slot 0 would draft: it waits for its token
-    assert ahead.header.slots == [1, 2] and ahead.header.query_lens == [1, 1]
-    assert ahead.header.carry_rows == [0, 1] and ahead.header.carry_from == [1, 2]
-    assert ahead.header.positions.tolist() == [5, 4]
+    guessed = sched.schedule_ahead()  # slot 0 guesses 50 for its token in flight
+    assert guessed.header.slots == [0, 1, 2] and guessed.header.query_lens == [2, 1, 1]
+    assert guessed.header.num_drafts == [1, 0, 0] and guessed.drafts[0].tokens == [51]
+    assert guessed.header.token_ids.tolist() == [0, 51, 0, 0]
+    assert guessed.header.carry_rows == [0, 2, 3] and guessed.header.carry_from == [0, 1, 2]
+    assert guessed.header.positions.tolist() == [3, 4, 5, 4]
+    assert guessed.header.sample_rows.tolist() == [0, 1, 2, 3]
+    assert [e.draft for e in guessed.header.verify] == [[51], [], []]
     assert sched.schedule_ahead() is None  # two windows in flight already
-    sched.commit(prompts, [[7], [8], [9]])
-    drafted = sched.schedule_ahead()
-    assert drafted.header.slots == [0, 1, 2] and drafted.header.num_drafts == [2, 0, 0]
-    assert drafted.header.token_ids.tolist()[:3] == [7, 50, 51]  # known here, then drafts
-    assert drafted.header.carry_rows == [3, 4] and drafted.header.carry_from == [0, 1]
-    assert drafted.header.positions.tolist() == [3, 4, 5, 6, 5]
-    sched.commit(ahead, [[10], [11]])
+    sched.commit(prompts, [[50], [8], [9]])  # the guess was right
     around = sched.schedule_ahead()  # slot 0's drafts are in flight: it sits this one out
     assert around.header.slots == [1, 2] and around.header.carry_from == [1, 2]
-    assert around.header.positions.tolist() == [7, 6]
-    sched.commit(drafted, [[50, 51, 12], [13], [14]])  # slot 0 accepts both drafts
+    assert around.header.positions.tolist() == [6, 5]
+    sched.commit(guessed, [[51, 12], [10], [11]])  # slot 0 accepts its draft
     back = sched.schedule_ahead()
     assert back.header.slots == [0, 1, 2] and back.header.token_ids.tolist()[:3] == [12, 50, 51]
     assert back.header.carry_rows == [3, 4] and back.header.carry_from == [0, 1]
-    assert back.header.positions.tolist() == [6, 7, 8, 8, 7]
-    sched.commit(around, [[15], [16]])
+    assert back.header.positions.tolist() == [5, 6, 7, 7, 6]
+    sched.commit(around, [[13], [14]])
     sched.commit(back, [[50, 17], [18], [19]])  # slot 0 accepts one draft
-    assert a.output_ids == [7, 50, 51, 12, 50, 17]
-    assert b.output_ids == [8, 10, 13, 15, 18] and c.output_ids == [9, 11, 14, 16, 19]
-    assert [s.num_computed for s in sched.slots] == [8, 9, 8] and not sched.in_flight
+    assert a.output_ids == [50, 51, 12, 50, 17]
+    assert b.output_ids == [8, 10, 13, 18] and c.output_ids == [9, 11, 14, 19]
+    assert [s.num_computed for s in sched.slots] == [7, 8, 7] and not sched.in_flight
 
 
-def test_a_lone_slot_with_drafts_waits_for_its_window():
-    """With no other slot to carry, nothing is built ahead of a drafted window."""
+def test_no_window_ahead_where_every_slot_would_draft_on_a_guess():
+    """With no other slot to carry on, nothing is built ahead of a drafted window, nor of
+    one whose slots would all draft on a guess: the next window drafts on their real
+    tokens, and no slot waits for it."""
     a = make(3, max_tokens=20)
     sched = Scheduler(num_slots=1, max_context=64, max_window_tokens=32, block_size=4,
                       drafts=DraftPolicy([DraftsFor(a)], token_cost=0.05), ahead=True,
-                      window_cost=1.0)
+                      window_cost=0.4)
     sched.add(a)
-    sched.commit(sched.schedule(), [[7]])
+    prompt = sched.schedule()
+    assert sched.schedule_ahead() is None and sched.slots[0].draft is None
+    sched.commit(prompt, [[7]])
     drafted = sched.schedule()
     assert drafted.header.num_drafts == [2] and sched.schedule_ahead() is None
 
 
 def run(engine: Engine, batch: list[list[int]], params: list[SamplingParams],
-        eos: frozenset[int], mixed: list | None = None) -> tuple[list[list[int]], int]:
-    """Output ids, and how many windows carried their tokens over (in `mixed`, the
-    headers of those that carried some entries' tokens and took others' from here)."""
+        eos: frozenset[int], ahead: list | None = None) -> tuple[list[list[int]], int]:
+    """Output ids, and how many windows carried their tokens over (their headers in
+    `ahead`)."""
     carried = 0
     submit = engine.runner.submit
 
     def counting(window):
         nonlocal carried
         carried += window.header.carry
-        if mixed is not None and window.header.carry and \
-                len(window.header.carry_rows) < len(window.header.slots):
-            mixed.append(window.header)
+        if ahead is not None and window.header.carry:
+            ahead.append(window.header)
         submit(window)
 
     engine.runner.submit = counting
@@ -184,20 +187,23 @@ def test_tokens_are_the_same_with_windows_ahead(tiny_models, groups):
 
 @pytest.mark.parametrize("buckets", [False, True])
 def test_drafts_and_windows_ahead_take_turns(tiny_models, buckets):
-    """Suffix drafts on repetitive prompts: slots draft where a draft is worth the window
-    they sit out, the others go on in windows built ahead, and every greedy token is as
-    without drafts. `buckets`: windows padded to graph buckets with static buffers (triton,
-    interpreted), whose first stage puts the carried tokens in place itself."""
+    """Two of four requests draft (their greedy continuation, some tokens wrong): slots
+    draft where a draft is worth the window they sit out, the others go on in windows
+    built ahead, and every greedy token is as without drafts. Windows built ahead carry
+    slots back with drafts after their known token beside carried ones, and carried slots
+    with drafts after a guess of their token. `buckets`: windows padded to graph buckets
+    with static buffers (triton, interpreted), whose first stage puts the carried tokens
+    in place itself."""
     folder, model = tiny_models["llama"]
-    base = prompts(4, model.config.vocab_size, seed=11, low=6, high=14)
-    batch = [p * 3 + p[:3] for p in base[:2]] + base[2:]  # two repeat, two do not
+    batch = prompts(4, model.config.vocab_size, seed=11, low=6, high=14)
     greedy = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 4
-    config = EngineConfig(model=str(folder), parallel=4, max_context=160,
-                          spec_type=("suffix",), spec_suffix_global=0, schedule_ahead="on")
+    config = EngineConfig(model=str(folder), parallel=4, max_context=160, spec=8,
+                          schedule_ahead="on")
     plain, _ = run(Engine(dataclasses.replace(config, spec=0, schedule_ahead="off")), batch,
                    greedy, frozenset())
     engine = Engine(dataclasses.replace(config, attention_backend="triton") if buckets
                     else config)
+    engine.scheduler.drafts.proposers = [Oracle(batch[:2], plain[:2], seed=11)]
     scattered = []
     if buckets:
         from test_buckets import padded_everywhere
@@ -211,12 +217,27 @@ def test_drafts_and_windows_ahead_take_turns(tiny_models, buckets):
             return replay(x, call)
 
         graphs.replay = spied
-    mixed = []
-    drafted, carried = run(engine, batch, greedy, frozenset(), mixed)
+    ahead = []
+    drafted, carried = run(engine, batch, greedy, frozenset(), ahead)
     assert drafted == plain
-    assert carried > 0 and engine.draft_stats.drafted > 0
-    assert any(sum(h.num_drafts) for h in mixed)  # a slot back with drafts, others carried
-    assert len(scattered) > 0 or not buckets     # ...its carried tokens put in place here
+    stats = engine.draft_stats
+    assert carried > 0 and stats.accepted > 0 and stats.drafted > stats.accepted
+    known, guessed = drafts_ahead(ahead)
+    assert known > 0 and guessed > 0
+    assert len(scattered) > 0 or not buckets  # carried tokens put in place among others
+
+
+def drafts_ahead(headers: list) -> tuple[int, int]:
+    """Entries with drafts in windows built ahead: after a token known on the host, and
+    after a carried token (drafted on a guess of it)."""
+    known = guessed = 0
+    for h in headers:
+        firsts = [sum(h.query_lens[:e]) for e in range(len(h.slots))]
+        for first, drafts in zip(firsts, h.num_drafts):
+            if drafts:
+                guessed += first in h.carry_rows
+                known += first not in h.carry_rows
+    return known, guessed
 
 
 def test_a_draft_must_be_worth_the_window():
@@ -235,16 +256,19 @@ def test_a_draft_must_be_worth_the_window():
     assert policy.draft(request, 8).tokens == [1, 2, 3]  # gain 0.45 + 0.2 + 0.05
     assert policy.draft(request, 8, window_cost=0.6).tokens == [1, 2, 3]
     assert policy.draft(request, 8, window_cost=0.75) is None
-    # A draft guessing the token in flight (known=1): only its later tokens are gain.
-    assert policy.draft(request, 8, window_cost=0.2, known=1).tokens == [1, 2, 3]  # 0.25
+    # A draft guessing the token in flight (known=1): only its later tokens are gain, and
+    # only they are sent.
+    after = policy.draft(request, 8, window_cost=0.2, known=1)  # 0.2 + 0.05
+    assert after.tokens == [2, 3] and after.scores == [0.25, 0.1] and after.after_guess
     assert policy.draft(request, 8, window_cost=0.3, known=1) is None
     assert policy.draft(request, 1, known=1) is None  # nothing after the guess
 
 
-def test_a_slot_sits_out_to_draft_only_for_what_follows_the_guess():
-    """A slot decides to sit out the window built ahead (to carry drafts in the next) on a
-    draft whose first token guesses the token in flight: the policy is asked to count
-    only the tokens after it, against two windows sat out."""
+def test_a_draft_on_a_guess_counts_only_what_follows_it():
+    """A carried slot drafts in the window built ahead on a draft whose first token
+    guesses its token in flight: the policy is asked to count only the tokens after it,
+    against the one window the slot sits out after, with room for one token fewer (the
+    one in flight)."""
     from strata.drafting.policy import DraftPolicy
 
     class Quiet:
@@ -258,22 +282,24 @@ def test_a_slot_sits_out_to_draft_only_for_what_follows_the_guess():
 
     class Recording(DraftPolicy):
         def draft(self, request, room, window_cost=0.0, known=0, window_tokens=1):
-            asked.append((window_cost, known))
+            asked.append((window_cost, known, room))
             return None
 
     sched = Scheduler(num_slots=2, max_context=32, max_window_tokens=16, block_size=4,
                       drafts=Recording([Quiet()], 0.05), ahead=True, window_cost=1.5)
     sched.add(make(3, max_tokens=8))
-    sched.add(make(4, max_tokens=8))
+    sched.add(make(4, max_tokens=20))
     prompt = sched.schedule()
     sched.commit(prompt, [[7], [7]])
     asked.clear()
     decoding = sched.schedule()
-    assert decoding.header.query_lens == [1, 1] and asked == [(1.5, 0), (1.5, 0)]
+    assert decoding.header.query_lens == [1, 1] and asked == [(1.5, 0, 6), (1.5, 0, 14)]
     asked.clear()
     ahead = sched.schedule_ahead()
     assert ahead is not None and ahead.header.carry_rows == [0, 1]
-    assert asked == [(3.0, 1), (3.0, 1)]
+    # the guess and 5 drafts: 1 output, 1 in flight, 5 accepted and one more make 8;
+    # the second: the guess and 15 drafts fill the 16-token budget
+    assert asked == [(1.5, 1, 6), (1.5, 1, 15)]
 
 
 def test_schedule_ahead_setting_resolves_and_checks():

@@ -76,9 +76,11 @@ class DraftPolicy:
               known: int = 0, window_tokens: int = 1) -> Draft | None:
         """The best draft for the request's next window, at most `room` tokens (each
         proposer also keeps to its own limit), if its net gain exceeds `window_cost`.
-        `known`: the draft's first tokens come anyway (a window in flight computes them:
-        the draft is a guess of its token), so only the tokens after them count as gain.
-        `window_tokens`: the tokens the window carries without this draft (load prices)."""
+        `known`: the proposers' first tokens come anyway (a window in flight computes
+        them: they guess its token), so only the tokens after them count as gain, and
+        the draft holds those alone (`after_guess`; such drafts keep their own running
+        acceptance, which a wrong guess lowers). `window_tokens`: the tokens the window
+        carries without this draft (load prices)."""
         if room <= 0:
             return None
         if self.load is not None:
@@ -93,11 +95,12 @@ class DraftPolicy:
             draft = p.propose(request.request_id, room)
             if not draft or not draft.tokens:
                 continue
-            rate = self._rate(request, p.name, asked=True)
+            rate = self._rate(request, p.name, asked=True, guess=known > 0)
             worths = [min(1.0, rate * score) for score in draft.scores[:room]]
             length, gain = self._cut(worths, known, token_cost)
             if length > known and gain > best_gain:
-                best = Draft(draft.tokens[:length], draft.scores[:length], p.name)
+                best = Draft(draft.tokens[known:length], draft.scores[known:length], p.name,
+                             after_guess=known > 0)
                 best_gain = gain
         return best
 
@@ -110,8 +113,8 @@ class DraftPolicy:
         most `budget`). A window's cost grows unevenly with its tokens, so slots priced
         one by one would each pay for the steep start alone. A slot's draft must be
         worth more than `window_cost`; with one slot, its first `known` tokens come
-        anyway (worth nothing, but carried). Without load pricing, each slot is decided
-        alone as `draft` does."""
+        anyway (worth nothing, and left out as `draft` leaves them). Without load
+        pricing, each slot is decided alone as `draft` does."""
         if self.load is None:
             drafts = []
             for request, room in zip(requests, rooms):
@@ -122,7 +125,7 @@ class DraftPolicy:
                     budget -= len(draft.tokens)
                     window_tokens += len(draft.tokens)
             return drafts
-        offers = [self._offer(request, room) for request, room in zip(requests, rooms)]
+        offers = [self._offer(request, room, known > 0) for request, room in zip(requests, rooms)]
         if len(offers) == 1 and offers[0] is not None:  # in its own order: `known` first
             ranked = [(0.0 if j < known else w, 0) for j, w in enumerate(offers[0][1])]
         else:
@@ -141,29 +144,33 @@ class DraftPolicy:
                 drafts.append(None)
                 continue
             draft = offer[0]
-            drafts.append(Draft(draft.tokens[:length], draft.scores[:length], draft.proposer))
+            drafts.append(Draft(draft.tokens[known:length], draft.scores[known:length],
+                                draft.proposer, after_guess=known > 0))
         return drafts
 
-    def _offer(self, request: Request, room: int) -> tuple[Draft, list[float]] | None:
-        """The proposers' draft with the most expected tokens, and each token's worth."""
+    def _offer(self, request: Request, room: int,
+               guess: bool = False) -> tuple[Draft, list[float]] | None:
+        """The proposers' draft with the most expected tokens, and each token's worth
+        (`guess`: its first token guesses one in flight)."""
         best = None
         for p in self.proposers if room > 0 else ():
             draft = p.propose(request.request_id, room)
             if not draft or not draft.tokens:
                 continue
-            rate = self._rate(request, p.name, asked=True)
+            rate = self._rate(request, p.name, asked=True, guess=guess)
             worths = [min(1.0, rate * score) for score in draft.scores[:room]]
             if best is None or sum(worths) > sum(best[1]):
                 best = (draft, worths)
         return best
 
-    def _rate(self, request: Request, proposer: str, asked: bool = False) -> float:
+    def _rate(self, request: Request, proposer: str, asked: bool = False,
+              guess: bool = False) -> float:
         """How far the proposer's scores held for this request lately: its drafts'
         accepted over expected tokens (recent drafts weighted most), starting from PRIOR
-        expected tokens all accepted. `asked`: the proposer is asked for a window's draft
-        (the record fades a little each time, so one that stopped drafting is tried
-        again)."""
-        key = (request.request_id, proposer)
+        expected tokens all accepted; `guess`: of its drafts after a guess of a token in
+        flight, kept apart. `asked`: the proposer is asked for a window's draft (the
+        record fades a little each time, so one that stopped drafting is tried again)."""
+        key = (request.request_id, proposer, guess)
         got, expected = self._acceptance.get(key, (0.0, 0.0))
         if asked and expected:
             self._acceptance[key] = (RECOVERY * got, RECOVERY * expected)
@@ -184,7 +191,7 @@ class DraftPolicy:
 
     def record(self, request: Request, draft: Draft, accepted: int) -> None:
         """Update the request's running acceptance and its statistics."""
-        key = (request.request_id, draft.proposer)
+        key = (request.request_id, draft.proposer, draft.after_guess)
         got, expected = self._acceptance.get(key, (0.0, 0.0))
         self._acceptance[key] = (FORGET * got + accepted,
                                  FORGET * expected + (sum(draft.scores) or 1.0))
@@ -208,10 +215,11 @@ class SimulatedPolicy(DraftPolicy):
 
     def draft(self, request: Request, room: int, window_cost: float = 0.0,
               known: int = 0, window_tokens: int = 1) -> Draft | None:
-        length = min(room, self.max_tokens)
+        length = min(room, self.max_tokens) - known
         if length <= 0:
             return None
-        return Draft([request.token_ids[-1]] * length, [1.0] * length, "simulated")
+        return Draft([request.token_ids[-1]] * length, [1.0] * length, "simulated",
+                     after_guess=known > 0)
 
     def record(self, request: Request, draft: Draft, accepted: int) -> None:
         request.draft_stats.simulated = True

@@ -17,10 +17,13 @@ its id carried over on the device from the first window's verification (WindowHe
 carry_rows). A slot that carries drafts in the first sits the second out (which drafts
 pass decides where it goes on) and is back in the third, with its tokens known by then.
 So one slot's drafts never hold up the others' windows. A draft must gain more than
-`window_cost` (the window its slot sits out), and a slot whose proposers, asked on the
-context it has, would draft sits out the window ahead so that it carries them in the next
-(that draft guesses the token in flight with its first token, so only the rest counts,
-and must gain two windows' cost: the one sat out to carry it, the one after).
+`window_cost` (the window its slot sits out). A carried slot may draft in the second
+window too, after its token in flight: its proposers, asked on the context it has, guess
+that token with their draft's first token, and the window carries the rest after the
+carried one (only they count as gain; verification checks them against the real token,
+so a wrong guess costs acceptance, never fidelity). Where every slot of a window built
+ahead would draft on such a guess, none is built: the next window drafts on their real
+tokens, and no slot waits for it.
 If the first window ends a request (EOS, a stop id), the second window's entry for it is
 dropped at commit, like an aborted one's.
 
@@ -181,8 +184,9 @@ class Scheduler:
     def schedule_ahead(self) -> Window | None:
         """A decoding group's next window, built while its window in flight computes: each
         slot without drafts in that window one token on, that token carried over on the
-        device, beside the slots that sat that window out (their tokens known here). None
-        where no group has exactly one window in flight with a slot to carry on from."""
+        device (and maybe drafts after a guess of it), beside the slots that sat that
+        window out (their tokens known here). None where no group has exactly one window
+        in flight with a slot to carry on from."""
         if not self.ahead:
             return None
         self._price_load()
@@ -229,44 +233,50 @@ class Scheduler:
                     return None
                 if not self._continues(request):
                     return None
-                if self._would_draft(slot):
-                    continue  # it sits this one out and carries its drafts in the next
-                entries.append((slot, 1))
+                tokens = self._on_a_guess(slot, budget, len(busy))
+                if tokens is None:
+                    continue
+                entries.append((slot, tokens))
                 ahead.append((e, count))
             elif slot.num_pending == 1:  # it sat out the window in flight: its token is known
-                count = self._with_draft(slot, budget, len(busy))
-                if count is None:
+                tokens = self._with_draft(slot, budget, len(busy))
+                if tokens is None:
                     continue
-                entries.append((slot, count))
+                entries.append((slot, tokens))
                 ahead.append(None)
             else:
                 return None  # a prompt to prefill: the next window takes it
             budget -= entries[-1][1]
             if budget <= 0:
                 break
-        if not any(ahead):
-            return None  # nothing depends on the window in flight: the next one takes them
-        if self.budget.needed(entries, ahead) > self.pool.num_free:
-            for (slot, _), carried in zip(entries, ahead):
-                if carried is None:
-                    slot.draft = None
-            return None  # the pool is short: the group's next window finds room or makes it
+        guessing = all(carried and slot.draft for (slot, _), carried in zip(entries, ahead))
+        if not any(ahead) or guessing or self.budget.needed(entries, ahead) > self.pool.num_free:
+            for slot, _ in entries:
+                slot.draft = None
+            # Nothing depends on the window in flight, or every slot would draft on a guess
+            # of its token (their next window drafts on the real one, and no slot waits
+            # for it), or the pool is short (the next window finds room or makes it).
+            return None
         return self._build(group, entries, ahead=ahead)
 
-    def _would_draft(self, slot: Slot) -> bool:
-        """Would the slot's proposers draft, on the context the slot has now (one token
-        short of the next window's)? Then it sits the next window out to carry them.
-        Their draft's first token is a guess of the token in flight, so only the tokens
-        after it count, and they must pay for two windows sat out: this one, and the
-        one after the drafted window."""
+    def _on_a_guess(self, slot: Slot, budget: int, window_tokens: int) -> int | None:
+        """A carried slot's tokens in the window built ahead: the token in flight, then
+        the drafts the policy picks after its proposers' guess of that token (their
+        draft's first token, on the context the slot has here): only the tokens after it
+        count, and they must gain more than `window_cost` (the slot sits out the window
+        built ahead of this one). Lossless: the window computes the real token, and each
+        draft is verified against it. None if its proposer failed (the request failed
+        with it)."""
+        slot.draft = None
         if self.drafts is None:
-            return False
+            return 1
         with self._isolated(slot):
-            tokens = sum(not s.free for s in self.groups[slot.index % self.num_groups])
-            return self.drafts.draft(slot.request, self._room(slot, self.max_window_tokens),
-                                     2 * self.window_cost, known=1,
-                                     window_tokens=tokens) is not None
-        return True  # its proposer failed: the slot is free, the group changed
+            slot.draft = self.drafts.draft(slot.request, 1 + self._room(slot, budget - 1, 1),
+                                           self.window_cost, known=1,
+                                           window_tokens=window_tokens)
+        if slot.free:
+            return None
+        return 1 + slot.num_drafted
 
     def _continues(self, request: Request) -> bool:
         """Can the request take two more tokens (the window in flight's, and one more)?"""
@@ -349,15 +359,17 @@ class Scheduler:
             if not slot.free:
                 slot.draft = draft
 
-    def _room(self, slot: Slot, budget: int) -> int:
+    def _room(self, slot: Slot, budget: int, in_flight: int = 0) -> int:
         """Most drafts a decoding slot may carry: within the window budget, the context,
-        and the tokens the request may still produce (the last one needs no draft)."""
+        and the tokens the request may still produce (the last one needs no draft), with
+        `in_flight` tokens of it decided by a window in flight."""
         request = slot.request
-        room = min(budget, self.max_context - request.num_tokens)
+        room = min(budget, self.max_context - request.num_tokens - in_flight)
         if self.max_drafts is not None:
             room = min(room, self.max_drafts)
         if request.params.max_tokens is not None:
-            room = min(room, request.params.max_tokens - request.num_output_tokens - 1)
+            room = min(room, request.params.max_tokens - request.num_output_tokens - 1
+                       - in_flight)
         return max(room, 0)
 
     def _admit(self, slots: list[Slot]) -> None:
