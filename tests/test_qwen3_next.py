@@ -147,8 +147,9 @@ def test_greedy_output_is_the_same_with_drafts(qwen3_next, case):
     engine = Engine(EngineConfig(model=str(folder), max_context=256, spec=4,
                                  spec_token_cost=0.0, **settings))
     ahead = settings.get("schedule_ahead") == "on"
-    # windows built ahead: half the requests draft, the others go on in windows ahead,
-    # where slots draft on a guess of their token in flight (all drafting, none is built)
+    # windows built ahead: half the requests draft and the others go on in windows ahead,
+    # where drafting slots carried on the device draft on a guess of their token (were
+    # all requests drafting, no window would be built ahead for such guesses alone)
     drafting = batch[::2] if ahead else batch
     engine.scheduler.drafts.proposers = [Oracle(drafting, want[::2] if ahead else want)]
     headers = []
