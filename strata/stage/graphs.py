@@ -156,12 +156,13 @@ class StageGraphs:
         return ForwardMeta.build(padded.batch, self.stage.backend, self.stage.device,
                                  padded.logits_idx, padded.state)
 
-    def _templates(self, padded: PaddedWindow, tokens: int) -> list[torch.Tensor]:
-        """A blank padded window's metadata on the host, in staging order (`_Staged`):
-        positions, logits rows, the backend's tensors, the state's, then on the first stage
-        the token ids and carried rows, on the last the greedy table."""
-        tensors = [padded.batch.positions, padded.logits_idx,
-                   *tensor_fields(self.stage.backend.prepare_host(padded.batch))]
+    def _templates(self, padded: PaddedWindow, tokens: int,
+                   attention: Any) -> list[torch.Tensor]:
+        """A blank padded window's metadata on the host (`attention`: the backend's, from
+        `prepare_host`), in staging order (`_Staged`): positions, logits rows, the
+        backend's tensors, the state's, then on the first stage the token ids and carried
+        rows, on the last the greedy table."""
+        tensors = [padded.batch.positions, padded.logits_idx, *tensor_fields(attention)]
         if padded.state is not None:
             tensors += tensor_fields(padded.state)
         if self.stage.module.first:
@@ -178,8 +179,8 @@ class StageGraphs:
         built as eager windows build theirs."""
         if not self.static_meta:
             return _Captured(self._meta(padded), self.graphs)
-        staging = StagingBuffer(self._templates(padded, tokens), self.stage.device)
         attention = self.stage.backend.prepare_host(padded.batch)
+        staging = StagingBuffer(self._templates(padded, tokens, attention), self.stage.device)
         module = self.stage.module
 
         def staged(views: list) -> _Staged:

@@ -101,4 +101,4 @@ def with_views(meta: Any, views: Iterator[torch.Tensor]) -> Any:
     """`meta` (a frozen dataclass) with each tensor field replaced by the next of `views`,
     in field order: how a bucket's static metadata comes to live in a StagingBuffer."""
     return replace(meta, **{f.name: next(views) for f in fields(meta)
-                            if isinstance(getattr(meta, f.name), torch.Tensor | np.ndarray)})
+                            if isinstance(getattr(meta, f.name), torch.Tensor)})
