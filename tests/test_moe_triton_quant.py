@@ -122,6 +122,18 @@ def test_mixed_formats_equal_the_reference(qtypes, tokens, dtype):
 
 
 @torch.no_grad()
+def test_decode_walks_gate_and_up_of_one_format_together():
+    """Windows of up to ROW_TOKENS tokens: gate and up of one format walked in one loop,
+    Q_UNROLL blocks a step (H = 512: two K-quant blocks a row, one step of two); down
+    sums its blocks' products once after its walk. (Gate and up of two formats, each
+    walked in turn: test_512_experts_at_top_k_10, 4 tokens.)"""
+    qtypes = ("Q4_K", "Q4_K", "Q6_K")
+    gate_up, _ = moe_triton.quantized_row_constants(qtypes, 512)
+    assert gate_up["UNROLL"] == min(2, moe_triton.Q_UNROLL) == 2
+    check(qtypes, 2, 512, 256, [(1, 1)], torch.bfloat16, seed=5)
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_pairs_grouped_by_the_router_give_the_same_bits(tokens):
     """Given the pairs grouped already (`route`, as route_triton's route_window writes
@@ -196,7 +208,7 @@ def compile_offline(arch: int, qtypes: tuple[str, str, str], tokens: int, dtype,
     capability `arch` (no GPU needed), with the constants the launcher passes."""
     if tokens <= moe_triton.ROW_TOKENS:  # decode: the row kernels
         kernels = (moe_triton._gate_up_q_rows, moe_triton._down_q_rows)
-        gate_up, down = moe_triton.quantized_row_constants(qtypes)
+        gate_up, down = moe_triton.quantized_row_constants(qtypes, hidden)
         launch = dict(num_warps=1)
     else:
         kernels = (moe_triton._gate_up_q, moe_triton._down_q)
@@ -217,6 +229,7 @@ def compile_offline(arch: int, qtypes: tuple[str, str, str], tokens: int, dtype,
 
 COMPILED = [(("Q4_1", "Q4_1", "Q4_0"), 1, "bfloat16"),
             (("Q4_K", "Q4_K", "Q6_K"), 1, "bfloat16"),
+            (("Q4_K", "Q5_K", "Q6_K"), 2, "bfloat16"),
             (("Q4_K", "Q5_K", "Q6_K"), 32, "bfloat16"),
             (("Q8_0", "Q4_K", "Q6_K"), 8, "float32")]
 

@@ -45,10 +45,12 @@ the program's gathered rows (their pointers, a row stride of 0), by tl.dot for w
 of more than REDUCE_TOKENS tokens and a broadcast sum below. The gate's and the up's
 groups are walked in turn (they may differ in format); the epilogues (silu(g) * u into
 h, the weighted rows into out) are the dense kernels' own. Windows of up to ROW_TOKENS
-tokens (decode) take `_gate_up_q_rows` and `_down_q_rows` instead: a program owns ROW_BLOCK
+tokens (decode) take `_gate_up_q_rows` and `_down_q_rows` instead: a program owns Q_ROWS
 rows of one expert and, pair by pair, walks their blocks whole (triton_quant's
 `_decode_block`, as its `_gemv_rows`), one warp a program — 5x faster at one token on the
-H200 (benchmarks/README.md). A group never spans two
+H200 (benchmarks/README.md). Gate and up of one format are walked in one loop, Q_UNROLL
+blocks a step, so that a program has four blocks' loads in flight, not one; down sums
+each block's products into [Q_ROWS, groups, C] and reduces them once after its walk. A group never spans two
 blocks, so the inner dimensions must be whole blocks: H (and I, for down) a multiple of
 256 for the K-quants, of 32 for Q8_0 and Q4_x.
 
@@ -74,7 +76,7 @@ import triton.language as tl
 
 from strata.layers import pdl
 from strata.quant.formats import FORMATS
-from strata.quant.triton_quant import (GROUPS, ROW_BLOCK, ROW_TOKENS, _accumulate,
+from strata.quant.triton_quant import (GROUPS, ROW_TOKENS, _accumulate,
                                        _block_dot, _decode_block, _decode_group, _runs,
                                        block_constants, check_blocks, gemv_constants)
 
@@ -89,6 +91,8 @@ NUM_WARPS = 4
 NUM_STAGES = 4    # pipelined loads of 16-bit tiles (H200: 73 vs 96 us a 1-token window)
 NUM_STAGES_FP32 = 2  # fp32 tiles are twice the bytes: 2 stages fit SM86's shared memory
 QUANT_STAGES = 2
+Q_ROWS = 4        # decode windows' row kernels: rows a program (one warp)
+Q_UNROLL = 2      # ... and blocks of gate and up a loop step, at most (H200: README)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -299,16 +303,45 @@ def _down_q(h_ptr, down_ptr, weights_ptr, out_ptr,    # [T*k, I], [E, H, bytes] 
 @triton.jit
 def _row_dot(acc, blocks_ptr, row_start, x_row, num_blocks, FORMAT: tl.constexpr,
              G: tl.constexpr, C: tl.constexpr, BLOCK_BYTES: tl.constexpr,
-             BLOCK_VALUES: tl.constexpr):
+             BLOCK_VALUES: tl.constexpr, ROWS: tl.constexpr):
     """acc [ROWS] + the rows starting at byte offsets `row_start` [ROWS] (blocks of
-    FORMAT, walked whole: triton_quant's _decode_block) times the token row at x_row."""
+    FORMAT, walked whole: triton_quant's _decode_block) times the token row at x_row. Each
+    block's values are dequantized and multiplied into [ROWS, G, C] sums, added up once
+    after the walk (H200: a Q6_K down 14-17% faster than a sum per block; README)."""
     first, second = _runs(FORMAT, G)
+    at = first[:, None] + tl.arange(0, C)[None, :]                         # [G, C]
+    acc_a = tl.zeros([ROWS, G, C], dtype=tl.float32)
+    acc_b = tl.zeros([ROWS, G, C], dtype=tl.float32)
     for b in range(0, num_blocks):
         q_a, s_a, o_a, q_b, s_b, o_b = _decode_block(blocks_ptr, row_start + b * BLOCK_BYTES,
                                                      FORMAT, G, C)
-        acc += _block_dot(q_a, s_a, o_a, q_b, s_b, o_b, x_row + b * BLOCK_VALUES, first,
-                          second, C)
-    return acc
+        x_a = tl.load(x_row + b * BLOCK_VALUES + at).to(tl.float32)
+        x_b = tl.load(x_row + b * BLOCK_VALUES + at + second).to(tl.float32)
+        acc_a += (q_a * s_a[:, :, None] + o_a[:, :, None]) * x_a[None]
+        acc_b += (q_b * s_b[:, :, None] + o_b[:, :, None]) * x_b[None]
+    return acc + tl.sum(tl.sum(acc_a + acc_b, axis=2), axis=1)
+
+
+@triton.jit
+def _pair_dots(gate_ptr, gate, up_ptr, up, x_row, num_blocks, FORMAT: tl.constexpr,
+               G: tl.constexpr, C: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+               BLOCK_VALUES: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr):
+    """(gate rows . x, up rows . x) [ROWS] for gate and up of one format, walked in one
+    loop (UNROLL blocks a step) so that each step's loads of both are in flight at once."""
+    first, second = _runs(FORMAT, G)
+    acc_g = tl.zeros([ROWS], dtype=tl.float32)
+    acc_u = tl.zeros([ROWS], dtype=tl.float32)
+    for b0 in range(0, num_blocks, UNROLL):
+        for i in tl.static_range(UNROLL):
+            b = b0 + i
+            g_a, gs_a, go_a, g_b, gs_b, go_b = _decode_block(
+                gate_ptr, gate + b * BLOCK_BYTES, FORMAT, G, C)
+            u_a, us_a, uo_a, u_b, us_b, uo_b = _decode_block(
+                up_ptr, up + b * BLOCK_BYTES, FORMAT, G, C)
+            x_b = x_row + b * BLOCK_VALUES
+            acc_g += _block_dot(g_a, gs_a, go_a, g_b, gs_b, go_b, x_b, first, second, C)
+            acc_u += _block_dot(u_a, us_a, uo_a, u_b, us_b, uo_b, x_b, first, second, C)
+    return acc_g, acc_u
 
 
 @triton.jit
@@ -320,7 +353,7 @@ def _gate_up_q_rows(x_ptr, gate_ptr, up_ptr, h_ptr,   # [T, H], [E, I, bytes] u8
                     GATE_BYTES: tl.constexpr, GATE_VALUES: tl.constexpr,
                     UP_FORMAT: tl.constexpr, UP_G: tl.constexpr, UP_C: tl.constexpr,
                     UP_BYTES: tl.constexpr, UP_VALUES: tl.constexpr, ROWS: tl.constexpr,
-                    CACHED: tl.constexpr, PDL: tl.constexpr):
+                    UNROLL: tl.constexpr, CACHED: tl.constexpr, PDL: tl.constexpr):
     """A window of a few tokens: ROWS rows of I of one expert, each pair in turn, the
     blocks walked whole (the pairs of one expert re-read its rows: from L2)."""
     if PDL:
@@ -333,11 +366,15 @@ def _gate_up_q_rows(x_ptr, gate_ptr, up_ptr, h_ptr,   # [T, H], [E, I, bytes] u8
     for s in range(0, count):
         pair = tl.load(order_ptr + start + s)
         x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
-        zero = tl.zeros([ROWS], dtype=tl.float32)
-        g = _row_dot(zero, gate_ptr, gate, x_row, gate_blocks, GATE_FORMAT, GATE_G, GATE_C,
-                     GATE_BYTES, GATE_VALUES)
-        u = _row_dot(zero, up_ptr, up, x_row, up_blocks, UP_FORMAT, UP_G, UP_C, UP_BYTES,
-                     UP_VALUES)
+        if GATE_FORMAT == UP_FORMAT:  # walked together
+            g, u = _pair_dots(gate_ptr, gate, up_ptr, up, x_row, gate_blocks, GATE_FORMAT,
+                              GATE_G, GATE_C, GATE_BYTES, GATE_VALUES, ROWS, UNROLL)
+        else:
+            zero = tl.zeros([ROWS], dtype=tl.float32)
+            g = _row_dot(zero, gate_ptr, gate, x_row, gate_blocks, GATE_FORMAT, GATE_G,
+                         GATE_C, GATE_BYTES, GATE_VALUES, ROWS)
+            u = _row_dot(zero, up_ptr, up, x_row, up_blocks, UP_FORMAT, UP_G, UP_C, UP_BYTES,
+                         UP_VALUES, ROWS)
         if PDL:
             pdl.release()
         tl.store(h_ptr + (start + s).to(tl.int64) * stride_ht + rows,
@@ -360,7 +397,7 @@ def _down_q_rows(h_ptr, down_ptr, weights_ptr, out_ptr,  # [T*k, I], [E, H, byte
         pair = tl.load(order_ptr + start + s)
         acc = _row_dot(tl.zeros([ROWS], dtype=tl.float32), down_ptr, down,
                        h_ptr + (start + s).to(tl.int64) * stride_ht, down_blocks, FORMAT, G,
-                       C, BLOCK_BYTES, BLOCK_VALUES)
+                       C, BLOCK_BYTES, BLOCK_VALUES, ROWS)
         weight = tl.load(weights_ptr + pair).to(tl.float32)
         if PDL:
             pdl.release()
@@ -633,13 +670,16 @@ def quantized_constants(tokens: int, dtype: torch.dtype, qtypes: tuple[str, str,
     return gate_up, down, dict(num_warps=NUM_WARPS, num_stages=QUANT_STAGES)
 
 
-def quantized_row_constants(qtypes: tuple[str, str, str]) -> tuple[dict, dict]:
-    """(_gate_up_q_rows' constexprs, _down_q_rows') for gate, up and down of `qtypes`."""
+def quantized_row_constants(qtypes: tuple[str, str, str], hidden: int) -> tuple[dict, dict]:
+    """(_gate_up_q_rows' constexprs, _down_q_rows') for gate, up and down of `qtypes`
+    (experts of hidden size `hidden`)."""
     gate, up, down = map(block_constants, qtypes)
     names = dict(FORMAT="FORMAT", G="G", C="C", BLOCK_BYTES="BYTES", BLOCK_VALUES="VALUES")
     gate_up = {f"{side}_{names[k]}": v for side, constants in (("GATE", gate), ("UP", up))
                for k, v in constants.items()}
-    return gate_up | dict(ROWS=ROW_BLOCK), down | dict(ROWS=ROW_BLOCK)
+    blocks = hidden // gate["BLOCK_VALUES"]
+    unroll = max(u for u in range(1, Q_UNROLL + 1) if blocks % u == 0)
+    return gate_up | dict(ROWS=Q_ROWS, UNROLL=unroll), down | dict(ROWS=Q_ROWS)
 
 
 def _quantized(name: str, weight, x: torch.Tensor) -> tuple[torch.Tensor, str, int]:
@@ -707,14 +747,15 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: tor
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     if tokens <= ROW_TOKENS:  # decode: each expert's rows walked block by block
-        gate_up_rows, down_rows = quantized_row_constants((gate_qtype, up_qtype, down_qtype))
-        _gate_up_q_rows[(listed.shape[0], triton.cdiv(inter, ROW_BLOCK))](
+        gate_up_rows, down_rows = quantized_row_constants((gate_qtype, up_qtype, down_qtype),
+                                                          hidden)
+        _gate_up_q_rows[(listed.shape[0], triton.cdiv(inter, Q_ROWS))](
             x, gate_blocks, up_blocks, h, listed, counts, starts, order, cached, top_k, inter,
             hidden // FORMATS[gate_qtype].block_values, hidden // FORMATS[up_qtype].block_values,
             x.stride(0), gate_blocks.stride(0), gate_blocks.stride(1), up_blocks.stride(0),
             up_blocks.stride(1), h.stride(0), **gate_up_rows, CACHED=rows is not None,
             **pdl.constants(x.device), num_warps=1)
-        _down_q_rows[(listed.shape[0], triton.cdiv(hidden, ROW_BLOCK))](
+        _down_q_rows[(listed.shape[0], triton.cdiv(hidden, Q_ROWS))](
             h, down_blocks, weights.reshape(-1).contiguous(), out, listed, counts, starts,
             order, cached, hidden, inter // FORMATS[down_qtype].block_values, h.stride(0),
             down_blocks.stride(0), down_blocks.stride(1), out.stride(0), **down_rows,

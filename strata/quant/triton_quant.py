@@ -59,7 +59,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # _gemv_rows (windows of up to ROW_TOKENS tokens): a program owns ROW_BLOCK rows and walks
 # their blocks whole, each block as its groups (GROUPS below) all at once.
 ROW_TOKENS = 4
-ROW_BLOCK = 4
+ROW_BLOCK = 8         # (H200: 4 rows took 1.0-1.6x the time, most at 2-4 tokens; README)
 ROW_PROGRAMS = 2048   # ... splitting the blocks of a row until about this many programs
 MIN_SPLIT_BLOCKS = 2
 
