@@ -50,9 +50,9 @@ rows of one expert and, pair by pair, walks their blocks whole (triton_quant's
 `_decode_block`, as its `_gemv_rows`), one warp a program — 5x faster at one token on the
 H200 (benchmarks/README.md). Gate and up of one format are walked in one loop, Q_UNROLL
 blocks a step, so that a program has four blocks' loads in flight, not one; down sums
-each block's products into [Q_ROWS, groups, C] and reduces them once after its walk. A group never spans two
-blocks, so the inner dimensions must be whole blocks: H (and I, for down) a multiple of
-256 for the K-quants, of 32 for Q8_0 and Q4_x.
+each block's products into [Q_ROWS, groups, C] and reduces them once after its walk. A
+group never spans two blocks, so the inner dimensions must be whole blocks: H (and I,
+for down) a multiple of 256 for the K-quants, of 32 for Q8_0 and Q4_x.
 
 Expert caches (--experts-in-ram, strata/experts/cache.py). Given `rows` (int64 [E]), the
 projections are a cache's pool of slots and each program reads its expert's weights at
@@ -307,7 +307,8 @@ def _row_dot(acc, blocks_ptr, row_start, x_row, num_blocks, FORMAT: tl.constexpr
     """acc [ROWS] + the rows starting at byte offsets `row_start` [ROWS] (blocks of
     FORMAT, walked whole: triton_quant's _decode_block) times the token row at x_row. Each
     block's values are dequantized and multiplied into [ROWS, G, C] sums, added up once
-    after the walk (H200: a Q6_K down 14-17% faster than a sum per block; README)."""
+    after the walk (H200, a 30B MoE layer: with a Q6_K down 16-17% faster than a sum per
+    block, with a Q4_K one level at 1-2 tokens and 4% slower at 4; benchmarks/README.md)."""
     first, second = _runs(FORMAT, G)
     at = first[:, None] + tl.arange(0, C)[None, :]                         # [G, C]
     acc_a = tl.zeros([ROWS, G, C], dtype=tl.float32)
