@@ -8,6 +8,7 @@ errors for what they do not take."""
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -97,10 +98,43 @@ def test_both_split_paths_are_tested():
     assert triton_quant.gemv_splits(ROWS, 8) == 2 and triton_quant.gemv_splits(ROWS, 16) == 4
     assert triton_quant.gemv_splits(64, 18) == 4
     assert triton_quant.gemv_splits(100_000, 4096) == 1  # a big weight fills the GPU alone
-    # Windows of up to ROW_TOKENS tokens (_gemv_rows): 32-value formats above split their 4
-    # blocks in 2, K-quants keep their 2 whole; the wide and the real weights split more.
-    assert triton_quant.row_splits(ROWS, 4) == 2 and triton_quant.row_splits(ROWS, 2) == 1
-    assert triton_quant.row_splits(3, 32) == 16
+    # Windows of up to ROW_TOKENS tokens (_gemv_rows): K-quants and 32-value formats walk
+    # these rows wide (2 and 4 blocks: one step), Q6_K by blocks; the wide walks keep rows
+    # of up to 15 blocks whole and split wider ones of few rows; by blocks Q4_1's real
+    # tensor (18 blocks: a wide step of 32 would be mostly padding) splits in 2.
+    walk = triton_quant.row_walk
+    assert walk("Q4_K", ROWS, 2) == replace(triton_quant.WIDE, step=2)
+    assert walk("Q4_1", ROWS, 4) == replace(triton_quant.WIDE, step=4)
+    assert walk("Q6_K", ROWS, 2) == walk("Q4_1", 64, 18) == triton_quant.BY_BLOCK
+    assert walk("Q4_K", 151936, 8) == triton_quant.BY_BLOCK  # an lm_head's rows
+    assert walk("Q8_0", 576, 48) == replace(triton_quant.WIDE, step=64)  # 25% padding
+    assert triton_quant.row_splits(walk("Q4_K", ROWS, 2), ROWS, 2) == 1
+    assert triton_quant.row_splits(walk("Q4_K", 3, 16), 3, 16) == 2
+    assert triton_quant.row_splits(walk("Q4_1", 64, 18), 64, 18) == 9
+    assert triton_quant.row_splits(walk("Q4_K", 5120, 8), 5120, 8) == 1  # a 30B's qkv
+
+
+@pytest.mark.parametrize("walk", [
+    triton_quant.RowWalk(rows=4, step=2, warps=4, programs=512, min_split_blocks=8),
+    triton_quant.RowWalk(rows=4, step=4, warps=2, programs=512, min_split_blocks=2),
+    triton_quant.RowWalk(rows=2, step=1, warps=1, programs=512, min_split_blocks=2),
+], ids=["steps", "split-steps", "by-block"])
+@pytest.mark.parametrize("count", [1, 3])
+def test_row_walks_cover_every_block_once(walk, count, monkeypatch):
+    """5 Q4_K blocks a row, 5 rows (a partial row tile): walked 2 blocks a step (the last
+    step's second block past the row's end), split in two (blocks 0-2 and 3-4: the first
+    split's last step stops at its own end) or block by block; a block read twice, or
+    one skipped, moves the sums."""
+    monkeypatch.setattr(triton_quant, "row_walk", lambda qtype, rows, blocks: walk)
+    blocks = random_blocks("Q4_K", rows=5, seed=13)
+    wide = np.concatenate([blocks, random_blocks("Q4_K", rows=5, seed=14), blocks[:, :144]],
+                          axis=1)
+    values = wide.shape[1] // 144 * 256
+    assert values == 5 * 256
+    x = tokens(count, values, seed=count)
+    assert_matches(triton_quant.gemv(x, torch.from_numpy(wide), "Q4_K"),
+                   x @ reference(wide, "Q4_K").T, 1e-5)
+    assert triton_quant.row_splits(walk, 5, 5) == (1 if walk.min_split_blocks == 8 else 2)
 
 
 @pytest.mark.parametrize("count", [1, 4, 8])
@@ -109,9 +143,10 @@ def test_split_sums_set_their_counters_back(count):
     counter back to 0, so the next launch (a CUDA graph's replay) counts from 0 again:
     the same y, bit for bit, and every counter 0 after each launch."""
     blocks = random_blocks("Q4_K", rows=3, seed=11)
-    wide = torch.from_numpy(np.concatenate([blocks] * 4, axis=1))  # 8 blocks a row
+    wide = torch.from_numpy(np.concatenate([blocks] * 8, axis=1))  # 16 blocks a row
     values = wide.shape[1] // FORMATS["Q4_K"].block_bytes * FORMATS["Q4_K"].block_values
-    assert (triton_quant.row_splits(3, 8) if count <= triton_quant.ROW_TOKENS
+    assert (triton_quant.row_splits(triton_quant.row_walk("Q4_K", 3, 16), 3, 16)
+            if count <= triton_quant.ROW_TOKENS
             else triton_quant.gemv_splits(3, values // 64)) > 1
     x = tokens(count, values, seed=count)
     counters = triton_quant.tile_counters(x.device)
@@ -169,7 +204,11 @@ def compile_offline(arch: int, qtype: str, count: int | None, dtype=torch.bfloat
                                     BLOCK_N=triton_quant.BLOCK_N), 4
     elif count <= triton_quant.ROW_TOKENS:
         kernel = triton_quant._gemv_rows
-        constants, num_warps = dict(**triton_quant.row_constants(count, qtype), SPLIT=True), 1
+        # Q4_1 by blocks (as the default model's), the others as their 30B-sized weights
+        walk = (triton_quant.BY_BLOCK if qtype == "Q4_1"
+                else triton_quant.row_walk(qtype, 5120, 8))
+        constants = dict(**triton_quant.row_constants(count, qtype, walk, 8), SPLIT=True)
+        num_warps = walk.warps
     else:
         kernel = triton_quant._gemv
         constants, num_warps = triton_quant.gemv_constants(count, dtype, qtype)

@@ -16,11 +16,15 @@ stay small integers (exact in bf16/fp16), so the tokens multiply them directly a
 scale and offset apply to the per-row sums: sum_k x_k (s q_k + o) = s (x . q) + o sum(x).
 
 `gemv`, windows of up to ROW_TOKENS tokens (decode, short verify runs): `_gemv_rows`,
-program (i, j) owns ROW_BLOCK rows and walks split j of their blocks whole — a block's
-groups all at once, as two [ROW_BLOCK, groups, C] tiles of quants (a Q4_K block: 4 groups,
-32 nibble bytes each, the low nibbles sub-blocks 0, 2, 4, 6, the high ones 1, 3, 5, 7),
-its scales once —
-multiplying on the CUDA cores, one warp a program. Windows of more: `_gemv`, program
+program (i, j) owns a few rows and walks split j of their blocks whole, several blocks a
+step — each block's groups, as two [rows, groups, C] tiles of quants (a Q4_K block: 4
+groups, 32 nibble bytes each, the low nibbles sub-blocks 0, 2, 4, 6, the high ones 1, 3,
+5, 7) with their scales (`_step_groups`, `_decode_groups`) —, multiplying on the CUDA
+cores. How many rows, blocks a step and warps a program, and when to split, is the
+weight's RowWalk (`row_walk`, by format and shape): WIDE walks 2048 values a step with 4
+warps, so a 30B's projection is one step a program and needs no split; BY_BLOCK (Q6_K,
+an lm_head's many rows, rows that a wide step would mostly pad) one block a step with one
+warp. Windows of more: `_gemv`, program
 (i, j) owns output rows i*BLOCK_N.. (a row tile) for all the window's tokens (padded to
 a power of two, T_PAD) and walks split j of the rows' groups, so the weights are read
 once for all tokens, with tl.dot (T_PAD >= 16; REDUCE_TOKENS: below it, a broadcast
@@ -41,6 +45,8 @@ SM86 and SM90 (tests/test_quant_triton.py).
 
 # NOTE: no `from __future__ import annotations` here: triton reads the kernels'
 # `tl.constexpr` annotations as objects.
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
@@ -56,16 +62,50 @@ MIN_SPLIT_GROUPS = 4  # ... but gives every split at least this many groups
 MAX_SPLITS = 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# _gemv_rows (windows of up to ROW_TOKENS tokens): a program owns ROW_BLOCK rows and walks
-# their blocks whole, each block as its groups (GROUPS below) all at once.
+# _gemv_rows: windows of up to ROW_TOKENS tokens (RowWalk below).
 ROW_TOKENS = 4
-ROW_BLOCK = 8         # (H200: 4 rows took 1.0-1.6x the time, most at 2-4 tokens; README)
-ROW_PROGRAMS = 2048   # ... splitting the blocks of a row until about this many programs
-MIN_SPLIT_BLOCKS = 2
 
 # Per format: (values per group, C = quants per run).
 GROUPS = {"Q8_0": (32, 16), "Q4_0": (32, 16), "Q4_1": (32, 16),
           "Q4_K": (64, 32), "Q5_K": (64, 32), "Q6_K": (32, 16)}
+
+
+@dataclass(frozen=True)
+class RowWalk:
+    """How `_gemv_rows` walks a weight's rows: `rows` a program of `warps` warps, `step`
+    blocks a step (all of a step's blocks loaded and multiplied at once; a step of one
+    block loads its scale fields once a row), each row tile's blocks split over programs
+    until about `programs` run, each split at least `min_split_blocks` blocks."""
+    rows: int
+    step: int
+    warps: int
+    programs: int
+    min_split_blocks: int
+
+
+# H200 (benchmarks/README.md): walking 2048 values a step with 4 warps, a 30B's Q4_K qkv
+# (5120 x 2048) took 6.7 us at one token instead of 9.2 walking by blocks, its o (2048 x
+# 4096) 5.6 instead of 8.4, Q8_0's, Q4_0's and Q4_1's qkv 10.4, 8.8 and 7.4 instead of
+# 15.3, 13.7 and 14.8; by blocks stay an lm_head's 151936 rows (Q4_K 118 us against 138
+# wide), Q6_K (its 30B-sized weights gained ~1.5 us at one token, lost 2-9 at four), and
+# rows that a wide step would mostly pad (576 Q8_0 values: 18 blocks in a step of 32).
+WIDE_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K")
+WIDE_VALUES = 2048       # values a wide step
+WIDE_MAX_ROWS = 32768    # ... for weights of fewer rows
+WIDE_MAX_PADDING = 0.25  # ... and at most this share of the steps' blocks past the row's end
+WIDE = RowWalk(rows=4, step=0, warps=4, programs=512, min_split_blocks=8)  # step: row_walk
+BY_BLOCK = RowWalk(rows=8, step=1, warps=1, programs=2048, min_split_blocks=2)
+
+
+def row_walk(qtype: str, rows: int, blocks: int) -> RowWalk:
+    """How `_gemv_rows` walks a weight of `rows` rows of `blocks` blocks of `qtype`: WIDE
+    (its step in blocks) or BY_BLOCK, by the format and the shape only."""
+    if qtype in WIDE_FORMATS and rows < WIDE_MAX_ROWS:
+        step = min(WIDE_VALUES // FORMATS[qtype].block_values, triton.next_power_of_2(blocks))
+        padded = triton.cdiv(blocks, step) * step
+        if padded - blocks <= WIDE_MAX_PADDING * padded:
+            return replace(WIDE, step=step)
+    return BY_BLOCK
 
 
 @triton.jit
@@ -296,21 +336,25 @@ def _dequantize(blocks_ptr, out_ptr,                # [N, row bytes] uint8, [N, 
 
 
 @triton.jit
-def _decode_block(blocks_ptr, base, FORMAT: tl.constexpr, G: tl.constexpr, C: tl.constexpr):
-    """Block `base` [ROWS] (byte offsets, int64) of each row, as its G groups' two runs:
-    (q_a, s_a, o_a, q_b, s_b, o_b), the quants q [ROWS, G, C] (fp32 integers) and the
-    per-run scale and offset [ROWS, G]. Run a of group h holds the block's values
-    _runs(h) + j, run b those `second` further (`_runs`); value = s * q + o. Each quant byte
-    is loaded once (a nibble byte feeds both runs). NOTE: `base` may be negative (an
-    expert cache's rows in host memory, before its pool): no mask may test its sign."""
-    h = tl.arange(0, G)[None, :, None]
+def _decode_groups(blocks_ptr, base, h, FORMAT: tl.constexpr, C: tl.constexpr):
+    """Groups of several rows' blocks, each group a [1, N] entry: `base` [ROWS, N] the
+    byte offset (int64) of the block that holds it, `h` [1, N] its index in that block
+    (0..G-1) — a block's G groups, or several blocks' (group i of a step: block i // G,
+    group i % G). Returns (q_a, s_a, o_a, q_b, s_b, o_b): the quants q [ROWS, N, C] (fp32
+    integers) and the per-run scale and offset [ROWS, N]. Run a of group h holds the
+    block's values _run_starts(h) + j, run b those `second` further; value = s * q + o.
+    Each quant byte is loaded once (a nibble byte feeds both runs). NOTE: `base` may be
+    negative (an expert cache's rows in host memory, before its pool): no mask may test
+    its sign."""
+    hq = h[:, :, None]
     j = tl.arange(0, C)[None, None, :]
-    at = base[:, None, None]
-    hs = tl.arange(0, G)[None, :]
+    at = base[:, :, None]
+    every = base == base
+    groups = (h * 0).to(tl.float32)  # [1, N] zeros: per-block fields broadcast to the groups
     if FORMAT == "Q8_0":  # d f16, 32 x int8: values j | 16 + j
         q_a = tl.load(blocks_ptr + at + 2 + j).to(tl.int8, bitcast=True).to(tl.float32)
         q_b = tl.load(blocks_ptr + at + 18 + j).to(tl.int8, bitcast=True).to(tl.float32)
-        s_a = _f16(blocks_ptr + base, base == base)[:, None] + tl.zeros([1, G], tl.float32)
+        s_a = _f16(blocks_ptr + base, every) + groups
         s_b = s_a
         o_a = tl.zeros_like(s_a)
         o_b = o_a
@@ -319,43 +363,42 @@ def _decode_block(blocks_ptr, base, FORMAT: tl.constexpr, G: tl.constexpr, C: tl
         zero = 8 if FORMAT == "Q4_0" else 0
         q_a = ((byte & 15) - zero).to(tl.float32)
         q_b = ((byte >> 4) - zero).to(tl.float32)
-        s_a = _f16(blocks_ptr + base, base == base)[:, None] + tl.zeros([1, G], tl.float32)
+        s_a = _f16(blocks_ptr + base, every) + groups
         s_b = s_a
         if FORMAT == "Q4_0":
             o_a = tl.zeros_like(s_a)
         else:
-            o_a = _f16(blocks_ptr + base + 2, base == base)[:, None] + tl.zeros([1, G],
-                                                                             tl.float32)
+            o_a = _f16(blocks_ptr + base + 2, every) + groups
         o_b = o_a
     elif FORMAT == "Q4_K" or FORMAT == "Q5_K":  # byte 32h + j: sub-blocks 2h | 2h + 1
-        byte = tl.load(blocks_ptr + at + (16 if FORMAT == "Q4_K" else 48) + h * 32
+        byte = tl.load(blocks_ptr + at + (16 if FORMAT == "Q4_K" else 48) + hq * 32
                        + j).to(tl.int32)
         lo = byte & 15
         hi = byte >> 4
         if FORMAT == "Q5_K":  # bit b of byte 16 + j: the fifth bit of value j, sub-block b
             qh = tl.load(blocks_ptr + at + 16 + j).to(tl.int32)
-            lo = lo | (((qh >> (2 * h)) & 1) << 4)
-            hi = hi | (((qh >> (2 * h + 1)) & 1) << 4)
+            lo = lo | (((qh >> (2 * hq)) & 1) << 4)
+            hi = hi | (((qh >> (2 * hq + 1)) & 1) << 4)
         q_a = lo.to(tl.float32)
         q_b = hi.to(tl.float32)
-        d = _f16(blocks_ptr + base, base == base)[:, None]
-        dmin = _f16(blocks_ptr + base + 2, base == base)[:, None]
-        sc_a, mn_a = _k_scales(blocks_ptr + base[:, None] + 4, 2 * hs)
-        sc_b, mn_b = _k_scales(blocks_ptr + base[:, None] + 4, 2 * hs + 1)
+        d = _f16(blocks_ptr + base, every)
+        dmin = _f16(blocks_ptr + base + 2, every)
+        sc_a, mn_a = _k_scales(blocks_ptr + base + 4, 2 * h)
+        sc_b, mn_b = _k_scales(blocks_ptr + base + 4, 2 * h + 1)
         s_a = d * sc_a
         s_b = d * sc_b
         o_a = -(dmin * mn_a)
         o_b = -(dmin * mn_b)
     else:  # Q6_K (see _decode_group): group h = 16 low-nibble bytes of half h // 4
-        half = h // 4
-        b0 = (h % 4) * 16
+        half = hq // 4
+        b0 = (hq % 4) * 16
         ql = tl.load(blocks_ptr + at + half * 64 + b0 + j).to(tl.int32)
         qh = tl.load(blocks_ptr + at + 128 + half * 32 + b0 % 32 + j).to(tl.int32)
         q_a = (((ql & 15) | (((qh >> (2 * (b0 // 32))) & 3) << 4)) - 32).to(tl.float32)
         q_b = (((ql >> 4) | (((qh >> (2 * (2 + b0 // 32))) & 3) << 4)) - 32).to(tl.float32)
-        first = (hs // 4) * 128 + (hs % 4) * 16
-        d = _f16(blocks_ptr + base + 208, base == base)[:, None]
-        sp = blocks_ptr + base[:, None] + 192
+        first = (h // 4) * 128 + (h % 4) * 16
+        d = _f16(blocks_ptr + base + 208, every)
+        sp = blocks_ptr + base + 192
         s_a = d * tl.load(sp + first // 16).to(tl.int8, bitcast=True).to(tl.float32)
         s_b = d * tl.load(sp + (first + 64) // 16).to(tl.int8, bitcast=True).to(tl.float32)
         o_a = tl.zeros_like(s_a)
@@ -365,8 +408,8 @@ def _decode_block(blocks_ptr, base, FORMAT: tl.constexpr, G: tl.constexpr, C: tl
 
 @triton.jit
 def _k_scales(scales_ptr, sub):
-    """Q4_K/Q5_K: the 6-bit scales and mins of sub-blocks `sub` [1, G] from the 12 bytes at
-    `scales_ptr` [ROWS, 1], as fp32 [ROWS, G] (_k_scale_min's unpacking)."""
+    """Q4_K/Q5_K: the 6-bit scales and mins of sub-blocks `sub` [1, N] from the 12 bytes at
+    `scales_ptr` [ROWS, N], as fp32 [ROWS, N] (_k_scale_min's unpacking)."""
     i = sub % 4
     a = tl.load(scales_ptr + i).to(tl.int32)
     b = tl.load(scales_ptr + 4 + i).to(tl.int32)
@@ -377,9 +420,9 @@ def _k_scales(scales_ptr, sub):
 
 
 @triton.jit
-def _runs(FORMAT: tl.constexpr, G: tl.constexpr):
-    """Where group h's run a starts in its block [G], and how far run b is from it."""
-    h = tl.arange(0, G)
+def _run_starts(h, FORMAT: tl.constexpr):
+    """Where the run a of groups `h` (their indices in their blocks) starts in its block,
+    and how far run b is from it."""
     if FORMAT == "Q4_K" or FORMAT == "Q5_K":
         return h * 64, 32
     if FORMAT == "Q6_K":
@@ -388,12 +431,52 @@ def _runs(FORMAT: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
+def _step_groups(row_start, b0, end, FORMAT: tl.constexpr, G: tl.constexpr,
+                 STEP: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_VALUES: tl.constexpr):
+    """A step over blocks b0 .. b0 + STEP - 1 of rows starting at byte offsets `row_start`
+    [ROWS], as their STEP * G groups: (base [ROWS, N] each group's block's byte offset —
+    [ROWS, 1] for a step of one block, so that its scale fields load once a row —, h
+    [1, N] its index in the block, first [N] the column where its run a starts, second,
+    ok [N] whether its block is before `end`). Blocks past `end` read block end - 1 again
+    (their x is masked to 0, so they add nothing)."""
+    i = tl.arange(0, STEP * G)
+    block = b0 + i // G
+    h = i % G
+    if STEP == 1:
+        base = (row_start + b0 * BLOCK_BYTES)[:, None]
+    else:
+        base = row_start[:, None] + (tl.minimum(block, end - 1)
+                                     * BLOCK_BYTES).to(tl.int64)[None, :]
+    first, second = _run_starts(h, FORMAT)
+    return base, h[None, :], block * BLOCK_VALUES + first, second, block < end
+
+
+@triton.jit
+def _decode_block(blocks_ptr, base, FORMAT: tl.constexpr, G: tl.constexpr, C: tl.constexpr):
+    """_decode_groups of one block a row, at byte offsets `base` [ROWS]: its G groups."""
+    return _decode_groups(blocks_ptr, base[:, None], tl.arange(0, G)[None, :], FORMAT, C)
+
+
+@triton.jit
+def _runs(FORMAT: tl.constexpr, G: tl.constexpr):
+    """Where a block's groups' runs a start [G], and how far run b is from them."""
+    return _run_starts(tl.arange(0, G), FORMAT)
+
+
+@triton.jit
 def _block_dot(q_a, s_a, o_a, q_b, s_b, o_b, x_ptr, first, second, C: tl.constexpr):
     """A decoded block (_decode_block) times the block's values of one token, at x_ptr:
     [ROWS] fp32."""
-    at = first[:, None] + tl.arange(0, C)[None, :]                       # [G, C]
-    x_a = tl.load(x_ptr + at).to(tl.float32)
-    x_b = tl.load(x_ptr + at + second).to(tl.float32)
+    return _groups_dot(q_a, s_a, o_a, q_b, s_b, o_b, x_ptr, first, second, first >= 0, C)
+
+
+@triton.jit
+def _groups_dot(q_a, s_a, o_a, q_b, s_b, o_b, x_ptr, first, second, ok, C: tl.constexpr):
+    """Decoded groups (_decode_groups) times one token's values at x_ptr + first [N]
+    (run a) and + first + second (run b), masked to 0 where not `ok` [N]: [ROWS] fp32."""
+    at = first[:, None] + tl.arange(0, C)[None, :]                       # [N, C]
+    x_a = tl.load(x_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
+    x_b = tl.load(x_ptr + at + second, mask=ok[:, None], other=0.0).to(tl.float32)
     y = (s_a * tl.sum(q_a * x_a[None, :, :], axis=2) + o_a * tl.sum(x_a, axis=1)[None, :]
          + s_b * tl.sum(q_b * x_b[None, :, :], axis=2) + o_b * tl.sum(x_b, axis=1)[None, :])
     return tl.sum(y, axis=1)
@@ -406,8 +489,8 @@ def _gemv_rows(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uin
                num_rows, stride_xt, stride_row, num_blocks,
                FORMAT: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
                BLOCK_BYTES: tl.constexpr, BLOCK_VALUES: tl.constexpr, TOKENS: tl.constexpr,
-               T_PAD: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
-               PDL: tl.constexpr):
+               T_PAD: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr,
+               SPLIT: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         pdl.wait()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -416,15 +499,15 @@ def _gemv_rows(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uin
     per_split = tl.cdiv(num_blocks, tl.num_programs(1))
     lo = tl.program_id(1) * per_split
     hi = tl.minimum(num_blocks, lo + per_split)
-    first, second = _runs(FORMAT, G)
     t = tl.arange(0, T_PAD)
     acc = tl.zeros([T_PAD, ROWS], dtype=tl.float32)
-    for b in range(lo, hi):
-        q_a, s_a, o_a, q_b, s_b, o_b = _decode_block(blocks_ptr, row_start + b * BLOCK_BYTES,
-                                                     FORMAT, G, C)
+    for b0 in range(lo, hi, STEP):
+        base, h, first, second, ok = _step_groups(row_start, b0, hi, FORMAT, G, STEP,
+                                                  BLOCK_BYTES, BLOCK_VALUES)
+        q_a, s_a, o_a, q_b, s_b, o_b = _decode_groups(blocks_ptr, base, h, FORMAT, C)
         for token in tl.static_range(TOKENS):
-            y = _block_dot(q_a, s_a, o_a, q_b, s_b, o_b,
-                           x_ptr + token * stride_xt + b * BLOCK_VALUES, first, second, C)
+            y = _groups_dot(q_a, s_a, o_a, q_b, s_b, o_b, x_ptr + token * stride_xt, first,
+                            second, ok, C)
             acc = tl.where(t[:, None] == token, acc + y[None, :], acc)
     if PDL:
         pdl.release()
@@ -545,21 +628,23 @@ def _split_sums(x: torch.Tensor, rows: int, tiles: int, splits: int, launch) -> 
     return out
 
 
-def row_splits(rows: int, blocks: int) -> int:
-    """Splits of each row tile's blocks (_gemv_rows): by the weight's shape only."""
-    tiles = triton.cdiv(rows, ROW_BLOCK)
-    return max(1, min(MAX_SPLITS, triton.cdiv(ROW_PROGRAMS, tiles),
-                      blocks // MIN_SPLIT_BLOCKS))
+def row_splits(walk: RowWalk, rows: int, blocks: int) -> int:
+    """Splits of each row tile's blocks (_gemv_rows): by the walk and the weight's shape."""
+    tiles = triton.cdiv(rows, walk.rows)
+    return max(1, min(MAX_SPLITS, triton.cdiv(walk.programs, tiles),
+                      blocks // walk.min_split_blocks))
 
 
-def row_constants(tokens: int, qtype: str) -> dict:
-    """`_gemv_rows`' constexprs for a window of `tokens` (<= ROW_TOKENS) tokens."""
+def row_constants(tokens: int, qtype: str, walk: RowWalk, blocks: int) -> dict:
+    """`_gemv_rows`' constexprs for a window of `tokens` (<= ROW_TOKENS) tokens walked as
+    `walk`, in splits of `blocks` blocks a row (a step of more blocks than a split has is
+    cut to the split)."""
     return dict(**block_constants(qtype), TOKENS=tokens, T_PAD=triton.next_power_of_2(tokens),
-                ROWS=ROW_BLOCK)
+                ROWS=walk.rows, STEP=min(walk.step, triton.next_power_of_2(blocks)))
 
 
 def block_constants(qtype: str) -> dict:
-    """A format's constexprs for walking its blocks whole (_decode_block, _gemv_rows)."""
+    """A format's constexprs for walking its blocks whole (_decode_groups, _gemv_rows)."""
     fmt = FORMATS[qtype]
     group_values, run_values = GROUPS[qtype]
     return dict(FORMAT=qtype, G=fmt.block_values // group_values, C=run_values,
@@ -569,13 +654,14 @@ def block_constants(qtype: str) -> dict:
 def _gemv_by_rows(x: torch.Tensor, blocks: torch.Tensor, qtype: str, rows: int,
                   values: int) -> torch.Tensor:
     num_blocks = values // FORMATS[qtype].block_values
-    splits = row_splits(rows, num_blocks)
-    tiles = triton.cdiv(rows, ROW_BLOCK)
+    walk = row_walk(qtype, rows, num_blocks)
+    splits = row_splits(walk, rows, num_blocks)
+    tiles = triton.cdiv(rows, walk.rows)
     return _split_sums(x, rows, tiles, splits, lambda out, partial, counts: _gemv_rows[(
         tiles, splits)](
         x, blocks, out, partial, counts, rows, x.stride(0), blocks.stride(0), num_blocks,
-        **row_constants(x.shape[0], qtype), SPLIT=splits > 1, **pdl.constants(x.device),
-        num_warps=1))
+        **row_constants(x.shape[0], qtype, walk, triton.cdiv(num_blocks, splits)),
+        SPLIT=splits > 1, **pdl.constants(x.device), num_warps=walk.warps))
 
 
 def dequantize(blocks: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
