@@ -101,7 +101,7 @@ def test_both_split_paths_are_tested():
     # Windows of up to ROW_TOKENS tokens (_gemv_rows): K-quants and 32-value formats walk
     # these rows wide (2 and 4 blocks: one step), Q6_K by blocks; the wide walks keep rows
     # of up to 15 blocks whole and split wider ones of few rows; by blocks Q4_1's real
-    # tensor (18 blocks: a wide step of 32 would be mostly padding) splits in 2.
+    # tensor (18 blocks: a wide step of 32 would be mostly padding) splits in 9.
     walk = triton_quant.row_walk
     assert walk("Q4_K", ROWS, 2) == replace(triton_quant.WIDE, step=2)
     assert walk("Q4_1", ROWS, 4) == replace(triton_quant.WIDE, step=4)
@@ -122,9 +122,9 @@ def test_both_split_paths_are_tested():
 @pytest.mark.parametrize("count", [1, 3])
 def test_row_walks_cover_every_block_once(walk, count, monkeypatch):
     """5 Q4_K blocks a row, 5 rows (a partial row tile): walked 2 blocks a step (the last
-    step's second block past the row's end), split in two (blocks 0-2 and 3-4: the first
-    split's last step stops at its own end) or block by block; a block read twice, or
-    one skipped, moves the sums."""
+    step's second block past the row's end), split in two (blocks 0-2 and 3-4, a step of
+    4 each: the first split's step stops at its own end) or block by block; a block read
+    twice, or one skipped, moves the sums."""
     monkeypatch.setattr(triton_quant, "row_walk", lambda qtype, rows, blocks: walk)
     blocks = random_blocks("Q4_K", rows=5, seed=13)
     wide = np.concatenate([blocks, random_blocks("Q4_K", rows=5, seed=14), blocks[:, :144]],
