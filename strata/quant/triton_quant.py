@@ -22,7 +22,7 @@ groups, 32 nibble bytes each, the low nibbles sub-blocks 0, 2, 4, 6, the high on
 5, 7) with their scales (`_step_groups`, `_decode_groups`) —, multiplying on the CUDA
 cores. How many rows, blocks a step and warps a program, and when to split, is the
 weight's RowWalk (`row_walk`, by format and shape): WIDE walks 2048 values a step with 4
-warps, so a 30B's projection is one step a program and needs no split; BY_BLOCK (Q6_K,
+warps, so a 30B's qkv is one step a program, its o two, and neither splits; BY_BLOCK (Q6_K,
 an lm_head's many rows, rows that a wide step would mostly pad) one block a step with one
 warp. Windows of more: `_gemv`, program
 (i, j) owns output rows i*BLOCK_N.. (a row tile) for all the window's tokens (padded to
