@@ -11,7 +11,8 @@ layers, whose state rolls back under drafts) checkpoints with transformers, then
   tokens, with drafts; and without drafts, graphs with windows built ahead against eager
   windows one at a time), on the tiny models and on `--gguf` (the default model) if given;
 - quantized weights (strata/quant): each format's Triton kernels (GEMV for 1, 4 and 32
-  tokens, dequantize + GEMM for 64) against the PyTorch reference on the same device, and
+  tokens, dequantize + GEMM for 64; the row kernels of 1 and 4 tokens also walking an
+  lm_head's many rows by blocks) against the PyTorch reference on the same device, and
   on `--gguf` the greedy tokens with projections kept quantized against dequantized bf16
   (4 prompts x 256 tokens);
 - the fused MoE path against the grouped one (one layer of 8 experts top-2 and of 512
@@ -103,7 +104,8 @@ def main() -> int:
                          fast))
     print()
     print(markdown_table(["format", "bf16 kernels vs reference: max rel. error, w=1 / 4 / "
-                          "32 / 64"], quant_kernels(device)))
+                          "32 / 64", "300 x 1024 walked", "lm_head-sized rows, by blocks: "
+                          "w=1 / 4"], quant_kernels(device)))
     if args.gguf:
         print(f"\n{Path(args.gguf).name}: {quant_tokens(args.gguf, devices)}")
     print()
@@ -232,17 +234,25 @@ def rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def quant_kernels(device: torch.device) -> list[list[str]]:
+    """Per format: the kernels against the reference on a 300 x 1024 weight (w = 1..4 by
+    rows as `row_walk` picks for it, 32 by groups, 64 dequantized), and the row kernels
+    (w = 1, 4) on weights of as many rows as an lm_head has, which they walk by blocks."""
     from strata.quant import FORMATS, matmul, reference
+    from strata.quant.triton_quant import BY_BLOCK, WIDE_MAX_ROWS, row_walk
     from strata.weights.random_checkpoint import RandomCheckpoint
     rows = []
     for name in FORMATS:
-        blocks = RandomCheckpoint(f"qwen3-30b-a3b:{name}").blocks("w", (300, 1024), device)
-        weight = reference.dequantize(blocks, name)
         errors = []
-        for w in (1, 4, 32, 64):
-            x = torch.randn(w, 1024, device=device).bfloat16()
-            errors.append(rel(matmul(x, blocks, name), x.float() @ weight.T))
-        rows.append([name, " / ".join(f"{e:.1e}" for e in errors)])
+        for shape, widths in (((300, 1024), (1, 4, 32, 64)), ((WIDE_MAX_ROWS, 512), (1, 4))):
+            blocks = RandomCheckpoint(f"qwen3-30b-a3b:{name}").blocks("w", shape, device)
+            weight = reference.dequantize(blocks, name)
+            for w in widths:
+                x = torch.randn(w, shape[1], device=device).bfloat16()
+                errors.append(rel(matmul(x, blocks, name), x.float() @ weight.T))
+        blocks = 1024 // FORMATS[name].block_values
+        walk = "by blocks" if row_walk(name, 300, blocks) == BY_BLOCK else "wide"
+        rows.append([name, " / ".join(f"{e:.1e}" for e in errors[:4]), walk,
+                     " / ".join(f"{e:.1e}" for e in errors[4:])])
     return rows
 
 
