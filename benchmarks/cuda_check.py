@@ -249,8 +249,8 @@ def quant_kernels(device: torch.device) -> list[list[str]]:
             for w in widths:
                 x = torch.randn(w, shape[1], device=device).bfloat16()
                 errors.append(rel(matmul(x, blocks, name), x.float() @ weight.T))
-        blocks = 1024 // FORMATS[name].block_values
-        walk = "by blocks" if row_walk(name, 300, blocks) == BY_BLOCK else "wide"
+        per_row = 1024 // FORMATS[name].block_values
+        walk = "by blocks" if row_walk(name, 300, per_row) == BY_BLOCK else "wide"
         rows.append([name, " / ".join(f"{e:.1e}" for e in errors[:4]), walk,
                      " / ".join(f"{e:.1e}" for e in errors[4:])])
     return rows
