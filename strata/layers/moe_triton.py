@@ -48,9 +48,10 @@ h, the weighted rows into out) are the dense kernels' own. Windows of up to ROW_
 tokens (decode) take `_gate_up_q_rows` and `_down_q_rows` instead: a program owns Q_ROWS
 rows of one expert and, pair by pair, walks their blocks whole (triton_quant's
 `_decode_block`, as its `_gemv_rows` walks by blocks), one warp a program — 5x faster at
-one token on the H200 (benchmarks/README.md). Gate and up of one format are walked in one loop, Q_UNROLL
-blocks a step, so that a program has four blocks' loads in flight, not one; down sums
-each block's products into [Q_ROWS, groups, C] and reduces them once after its walk. A
+one token on the H200 (benchmarks/README.md). Gate and up of one format are walked in
+one loop, Q_UNROLL blocks a step, so that a program has four blocks' loads in flight, not
+one; down sums each block's products into [Q_ROWS, groups, C] and reduces them once after
+its walk. A
 group never spans two blocks, so the inner dimensions must be whole blocks: H (and I,
 for down) a multiple of 256 for the K-quants, of 32 for Q8_0 and Q4_x.
 
