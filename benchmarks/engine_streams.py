@@ -10,9 +10,7 @@ Each batch's prompts carry a fresh tag, as the bench's do (`--seed S`: the very 
 `strata bench --seed S`'s N-user cells); a first batch of one request warms the engine up
 and is not reported. `windows` counts the windows the batch took until its last stream
 finished: on the CPU, where time per window says little about a GPU's, it is how the
-scheduler's choices (drafts, windows sat out) compare. `bets won / lost`: entries that
-went on ahead of their drafted window's verdict (`--spec-bet on`), and whether every
-draft before them passed.
+scheduler's choices (drafts, windows sat out) compare.
 """
 
 from __future__ import annotations
@@ -42,7 +40,6 @@ def streams(llm: LLM, name: str, users: int, max_tokens: int, tag: str,
     engine, worst, done = llm.engine, 0.0, {}
     windows = []
     engine.observers.append(lambda window, result: windows.append(window))
-    won, lost = engine.scheduler.bets_won, engine.scheduler.bets_lost
     start = time.perf_counter()
     while len(done) < users:
         t = time.perf_counter()
@@ -60,8 +57,7 @@ def streams(llm: LLM, name: str, users: int, max_tokens: int, tag: str,
                                                           enumerate(tokens)],
             "worst_ms": worst * 1e3, "drafted": engine.draft_stats.drafted,
             "accepted": engine.draft_stats.accepted, "windows": len(windows),
-            "tokens": sum(tokens), "bets_won": engine.scheduler.bets_won - won,
-            "bets_lost": engine.scheduler.bets_lost - lost}
+            "tokens": sum(tokens)}
 
 
 def main() -> int:
@@ -88,17 +84,15 @@ def main() -> int:
             r = streams(llm, name, n, args.max_tokens, f"{name[:2]}{n}", args.seed)
             rows.append([name, n, f"{r['tok_s']:.0f}",
                          f"{min(r['stream_tok_s']):.0f}-{max(r['stream_tok_s']):.0f}",
-                         f"{r['worst_ms']:.1f}", r["windows"], r["tokens"],
-                         f"{r['bets_won']} / {r['bets_lost']}"])
+                         f"{r['worst_ms']:.1f}", r["windows"], r["tokens"]])
             raw.append({"workload": name, "users": n, **r})
     model = args.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)"
     settings = (f"devices={','.join(config.devices)} spec={config.spec} "
-                f"schedule-ahead={config.schedule_ahead} spec-bet={config.spec_bet} "
-                f"cuda-graphs={config.cuda_graphs} "
+                f"schedule-ahead={config.schedule_ahead} cuda-graphs={config.cuda_graphs} "
                 f"max-tokens={args.max_tokens} seed={args.seed}")
     print(f"machine: {machine()}\ncommit: {commit()}\nmodel: {model}\nsettings: {settings}\n")
     print(markdown_table(["workload", "streams", "tok/s", "each stream", "slowest step ms",
-                          "windows", "tokens", "bets won / lost"], rows))
+                          "windows", "tokens"], rows))
     record(args, {"benchmark": "engine_streams", "model": model, "settings": settings,
                   "rows": raw})
     return 0

@@ -183,13 +183,6 @@ class EngineConfig:
         "drafts, in tokens: it sits out the window built ahead of its drafted one (the "
         "group's other slots go on; a slot alone makes the group wait, and the host's time "
         "shows). A draft is sent only when its expected gain exceeds this"))
-    spec_bet: str = field(default="off", metadata=_opt(
-        "with windows built ahead: on: where every slot of a window carries drafts (a slot "
-        "alone, say), they go on in the window built ahead of it, on the bet that all their "
-        "drafts pass (when they do not, the entry there is void: dropped at commit), so the "
-        "GPU stays busy while the host commits; off (default): they sit that window out "
-        "and none is built. Not for models with per-slot state (DeltaNet layers)",
-        choices=("on", "off")))
     spec_pricing: str = field(default="fixed", metadata=_opt(
         "fixed (default): drafts cost --spec-window-cost and --spec-token-cost; measured: "
         "drafting is also charged what the engine's recent steps show a drafted entry and "

@@ -149,11 +149,11 @@ class Oracle:
     def finish(self, rid):
         self.requests.pop(rid, None)
 
-    def propose(self, rid, max_tokens, known=0):
+    def propose(self, rid, max_tokens):
         from strata.drafting.draft import Draft
 
         expected, done = self.requests.get(rid, ([], []))
-        ahead = expected[len(done):len(done) + min(max_tokens, 4 + known)]
+        ahead = expected[len(done):len(done) + min(max_tokens, 4)]
         if not ahead:
             return None
         tokens = [t if self.rng.random() > 0.25 else (t + 1) % 320 for t in ahead]

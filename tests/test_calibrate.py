@@ -144,7 +144,7 @@ class Fixed:
     def extend(self, rid, tokens, stage_drafts=None): pass
     def finish(self, rid): pass
 
-    def propose(self, rid, max_tokens, known=0):
+    def propose(self, rid, max_tokens):
         n = min(max_tokens, len(self.scores))
         return Draft(list(range(100, 100 + n)), self.scores[:n], self.name)
 

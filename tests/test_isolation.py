@@ -66,10 +66,10 @@ def test_a_failing_proposer_fails_its_request_only(folder, monkeypatch):
     original = proposer.propose
     victim = {}
 
-    def propose(request_id, max_tokens, known=0):
+    def propose(request_id, max_tokens):
         if request_id == victim.get("id"):
             raise RuntimeError("proposer bug")
-        return original(request_id, max_tokens, known)
+        return original(request_id, max_tokens)
 
     monkeypatch.setattr(proposer, "propose", propose)
     requests = [engine.add_request(p, greedy()) for p in PROMPTS]

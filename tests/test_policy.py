@@ -20,7 +20,7 @@ class Fixed:
     def extend(self, rid, tokens, stage_drafts=None): pass
     def finish(self, rid): pass
 
-    def propose(self, rid, max_tokens, known=0):
+    def propose(self, rid, max_tokens):
         return Draft(self.tokens[:max_tokens], self.scores[:max_tokens], self.name)
 
 

@@ -5,7 +5,6 @@ scheduler's counts stay exact, and the tokens are the same as one window at a ti
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 
@@ -85,7 +84,7 @@ class DraftsFor:
     def extend(self, rid, tokens, stage_drafts=None): pass
     def finish(self, rid): pass
 
-    def propose(self, rid, max_tokens, known=0):
+    def propose(self, rid, max_tokens):
         return Draft([50, 51][:max_tokens], [1.0, 1.0][:max_tokens], self.name) \
             if rid in self.ids else None
 
@@ -141,65 +140,6 @@ def test_no_window_ahead_where_every_slot_would_draft_on_a_guess():
     prompt = sched.schedule()
     assert sched.schedule_ahead() is None and sched.slots[0].draft is None
     sched.commit(prompt, [[7]])
-    drafted = sched.schedule()
-    assert drafted.header.num_drafts == [2] and sched.schedule_ahead() is None
-
-
-@pytest.mark.parametrize("passes", [True, False])
-def test_a_slot_bets_that_its_drafts_pass(passes):
-    """With `bet_on_drafts`, a slot alone whose window in flight carries drafts goes on in
-    the window built ahead of it: one token on from its last draft, that token carried
-    from the device. If a draft fails, that entry starts past the slot's committed length:
-    the slot's next window starts from its known token, and the void entry's result is
-    dropped at commit."""
-    a = make(3, max_tokens=20)
-    sched = Scheduler(num_slots=1, max_context=64, max_window_tokens=32, block_size=4,
-                      drafts=DraftPolicy([DraftsFor(a)], token_cost=0.05), ahead=True,
-                      window_cost=0.4, bet_on_drafts=True)
-    sched.add(a)
-    prompt = sched.schedule()
-    sched.commit(prompt, [[7]])
-    drafted = sched.schedule()
-    assert drafted.header.num_drafts == [2] and drafted.header.positions.tolist() == [3, 4, 5]
-    bet = sched.schedule_ahead()
-    assert bet.header.slots == [0] and bet.header.starts == [6]
-    assert bet.header.positions.tolist() == [6] and bet.header.query_lens == [1]
-    assert bet.header.carry_rows == [0] and bet.header.carry_from == [0]
-    assert [e.position for e in bet.header.verify] == [7]
-    assert bet.header.num_drafts == [0]  # DraftsFor's [50, 51] holds nothing after them
-    if passes:
-        sched.commit(drafted, [[50, 51, 60]])
-        assert sched.slots[0].num_computed == 6
-        sched.commit(bet, [[61]])
-        assert a.output_ids == [7, 50, 51, 60, 61] and sched.slots[0].num_computed == 7
-    else:
-        sched.commit(drafted, [[50, 60]])  # the second draft fails: the bet is lost
-        assert sched.slots[0].num_computed == 5 and sched.slots[0].num_pending == 1
-        known = sched.schedule_ahead()  # the slot's token is known: no carry
-        assert known.header.starts == [5] and not known.header.carry
-        assert known.header.token_ids.tolist()[0] == 60
-        sched.commit(bet, [[61]])  # void: dropped
-        assert a.output_ids == [7, 50, 60] and sched.slots[0].num_computed == 5
-        sched.commit(known, [[62] if not known.header.num_drafts[0] else [50, 62]])
-        assert a.output_ids[:3] == [7, 50, 60] and a.output_ids[3:][-1] == 62
-    assert not sched.in_flight
-    sched.abort(a.request_id)
-    assert sched.pool.num_free == sched.pool.num_blocks
-
-
-def test_no_bet_on_drafts_for_per_slot_state_or_near_the_end():
-    """Layers with per-slot state keep the sit-out (the bet's entry would write the state
-    rows its window in flight's verdict picks from); a request that cannot take its
-    drafts, the token after them and one more gets no bet either."""
-    stateful = Scheduler(num_slots=1, max_context=64, max_window_tokens=32, block_size=4,
-                         ahead=True, state_rows_per_slot=12, bet_on_drafts=True)
-    assert not stateful.bet_on_drafts
-    a = make(3, max_tokens=4)  # 1 output, then 2 drafts and one: no room for another
-    sched = Scheduler(num_slots=1, max_context=64, max_window_tokens=32, block_size=4,
-                      drafts=DraftPolicy([DraftsFor(a)], token_cost=0.05), ahead=True,
-                      window_cost=0.4, bet_on_drafts=True)
-    sched.add(a)
-    sched.commit(sched.schedule(), [[7]])
     drafted = sched.schedule()
     assert drafted.header.num_drafts == [2] and sched.schedule_ahead() is None
 
@@ -287,56 +227,6 @@ def test_drafts_and_windows_ahead_take_turns(tiny_models, buckets):
     assert len(scattered) > 0 or not buckets  # carried tokens put in place among others
 
 
-class SteadyOracle(Oracle):
-    """Oracle whose wrong tokens are drawn once per position, so a draft asked again from
-    the same context (a bet's entry repeating the drafts in flight) is the same."""
-
-    def propose(self, rid, max_tokens, known=0):
-        expected, done = self.requests.get(rid, ([], []))
-        start = len(done)
-        ahead = expected[start:start + min(max_tokens, 4 + known)]
-        if not ahead:
-            return None
-        tokens = [t if random.Random(hash((len(expected), start + j))).random() > 0.2
-                  else (t + 1) % 320 for j, t in enumerate(ahead)]
-        return Draft(tokens, [0.9 ** (j + 1) for j in range(len(tokens))], self.name)
-
-
-@pytest.mark.parametrize("users,buckets", [(1, False), (3, False), (3, True)])
-def test_tokens_are_the_same_when_slots_bet_on_their_drafts(tiny_models, users, buckets):
-    """`--spec-bet on`: slots go on in the window built ahead of their drafted one, betting
-    that every draft passes; bets are won and lost (void entries dropped), bets carry
-    drafts of their own, and every token, greedy or seeded, is as without drafts.
-    `buckets`: padded graph buckets (triton, interpreted)."""
-    folder, model = tiny_models["llama"]
-    batch = prompts(users, model.config.vocab_size, seed=12, low=6, high=14)
-    params = [SamplingParams(temperature=0, max_tokens=36, ignore_eos=True) if i != 1 else
-              SamplingParams(temperature=0.8, seed=3, max_tokens=36, ignore_eos=True)
-              for i in range(users)]
-    config = EngineConfig(model=str(folder), parallel=4, max_context=160, spec=8,
-                          schedule_ahead="on", spec_bet="on", spec_window_cost=0.4)
-    plain, _ = run(Engine(dataclasses.replace(config, spec=0, schedule_ahead="off")), batch,
-                   params, frozenset())
-    engine = Engine(dataclasses.replace(config, attention_backend="triton") if buckets
-                    else config)
-    engine.scheduler.drafts.proposers = [SteadyOracle(batch, plain, seed=12)]
-    if buckets:
-        from test_buckets import padded_everywhere
-        padded_everywhere(engine, [1, 2, 4, 8, 16, 24], max_logits=24)
-    windows, submit = [], engine.runner.submit
-
-    def recording(window):
-        windows.append(window)
-        submit(window)
-
-    engine.runner.submit = recording
-    drafted, _ = run(engine, batch, params, frozenset())
-    assert drafted == plain
-    assert engine.scheduler.bets_won > 0 and engine.scheduler.bets_lost > 0
-    # bets carrying drafts of their own, after their proposer's guess of the carried token
-    assert any(bet and n for w in windows for bet, n in zip(w.bets, w.header.num_drafts))
-
-
 def drafts_ahead(headers: list) -> tuple[int, int]:
     """Entries with drafts in windows built ahead: after a token known on the host, and
     after a carried token (drafted on a guess of it)."""
@@ -358,7 +248,7 @@ def test_a_draft_must_be_worth_the_window():
     class Fixed:
         name, on_last_stage = "fixed", False
 
-        def propose(self, request_id, room, known=0):
+        def propose(self, request_id, room):
             return Draft([1, 2, 3], [0.5, 0.25, 0.1], "fixed")
 
     policy = DraftPolicy([Fixed()], token_cost=0.05)
@@ -372,10 +262,6 @@ def test_a_draft_must_be_worth_the_window():
     assert after.tokens == [2, 3] and after.scores == [0.25, 0.1] and after.after_guess
     assert policy.draft(request, 8, window_cost=0.3, known=1) is None
     assert policy.draft(request, 1, known=1) is None  # nothing after the guess
-    # A bet on drafts in flight: the proposer's draft must repeat them before its guess.
-    bet = policy.draft(request, 8, known=2, in_flight=(1,))
-    assert bet.tokens == [3] and bet.after_guess
-    assert policy.draft(request, 8, known=2, in_flight=(7,)) is None
 
 
 def test_a_draft_on_a_guess_counts_only_what_follows_it():
@@ -395,8 +281,7 @@ def test_a_draft_on_a_guess_counts_only_what_follows_it():
     asked = []
 
     class Recording(DraftPolicy):
-        def draft(self, request, room, window_cost=0.0, known=0, window_tokens=1,
-                  in_flight=()):
+        def draft(self, request, room, window_cost=0.0, known=0, window_tokens=1):
             asked.append((window_cost, known, room))
             return None
 

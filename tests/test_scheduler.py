@@ -131,9 +131,9 @@ class FixedProposer:
     def extend(self, rid, tokens, stage_drafts=None):
         self.calls.append(("extend", rid, list(tokens)))
 
-    def propose(self, rid, max_tokens, known=0):
+    def propose(self, rid, max_tokens):
         from strata.drafting.draft import Draft
-        tokens = self.tokens[:min(max_tokens, self.max_draft + known)]
+        tokens = self.tokens[:min(max_tokens, self.max_draft)]
         return Draft(tokens, [0.9] * len(tokens), self.name)
 
     def finish(self, rid):

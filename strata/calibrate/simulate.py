@@ -78,10 +78,10 @@ class TraceProposer:
                stage_drafts: Draft | None = None) -> None:
         self._length[request_id] += len(token_ids)
 
-    def propose(self, request_id: str, max_tokens: int, known: int = 0) -> Draft | None:
+    def propose(self, request_id: str, max_tokens: int) -> Draft | None:
         position = self._length[request_id]
         truth = self.truth[request_id]
-        length = min(max_tokens, self.max_draft + known, len(truth) - position)
+        length = min(max_tokens, self.max_draft, len(truth) - position)
         if length <= 0:
             return None
         rng = random.Random(hash((self.seed, *truth[:4], position)))  # ints hash alike
@@ -256,7 +256,6 @@ def simulate(profile: CostProfile, config: EngineConfig, traces: list[Trace],
     scheduler = Scheduler(config.parallel, max_context, config.max_window_tokens,
                           config.block_size, policy, num_groups=config.num_groups(),
                           ahead=schedules_ahead(config), window_cost=config.spec_window_cost,
-                          bet_on_drafts=config.spec_bet == "on",
                           prefix_cache=config.prefix_cache == "on")
     cores = profile.cpu_cores * profile.cpu_efficiency if profile.cpu_cores else None
     runner = SimulatedRunner(curves, profile.hop_seconds if config.stage_processes else 0.0,

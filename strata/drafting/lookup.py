@@ -62,9 +62,9 @@ class LookupProposer:
                     index[n - lo][gram[len(gram) - n:]] = end
             tokens.append(token)
 
-    def propose(self, request_id: str, max_tokens: int, known: int = 0) -> Draft | None:
+    def propose(self, request_id: str, max_tokens: int) -> Draft | None:
         state = self._requests[request_id]
-        limit = min(max_tokens, self.max_draft + known)
+        limit = min(max_tokens, self.max_draft)
         tokens, num = state.tokens, len(state.tokens)
         if limit <= 0 or num < self.min_ngram:
             return None

@@ -28,7 +28,7 @@ class MTPProposer:
         else:
             self._drafts[request_id] = Draft(stage_drafts.tokens, stage_drafts.scores, self.name)
 
-    def propose(self, request_id: str, max_tokens: int, known: int = 0) -> Draft | None:
+    def propose(self, request_id: str, max_tokens: int) -> Draft | None:
         draft = self._drafts.get(request_id)
         if draft is None or not draft.tokens:
             return None

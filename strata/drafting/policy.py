@@ -73,30 +73,27 @@ class DraftPolicy:
 
     # -- drafting -------------------------------------------------------------------------
     def draft(self, request: Request, room: int, window_cost: float = 0.0,
-              known: int = 0, window_tokens: int = 1,
-              in_flight: tuple[int, ...] = ()) -> Draft | None:
+              known: int = 0, window_tokens: int = 1) -> Draft | None:
         """The best draft for the request's next window, at most `room` tokens (each
         proposer also keeps to its own limit), if its net gain exceeds `window_cost`.
-        `known`: the proposers' first tokens come anyway (windows in flight compute
-        them: they guess those tokens), so only the tokens after them count as gain, and
+        `known`: the proposers' first tokens come anyway (a window in flight computes
+        them: they guess its token), so only the tokens after them count as gain, and
         the draft holds those alone (`after_guess`; such drafts keep their own running
-        acceptance, which a wrong guess lowers). `in_flight`: drafts in flight that the
-        first of those tokens must repeat (a window built on the guess that they all
-        pass). `window_tokens`: the tokens the window carries without this draft (load
-        prices)."""
+        acceptance, which a wrong guess lowers). `window_tokens`: the tokens the window
+        carries without this draft (load prices)."""
         if room <= 0:
             return None
         if self.load is not None:
             return self.draft_window([request], [room], room, window_tokens, window_cost,
-                                     known=known, in_flight=in_flight)[0]
+                                     known=known)[0]
         token_cost = self.token_cost
         if self.pricing is not None:
             window_cost += self.pricing.entry_cost
             token_cost = max(token_cost, self.pricing.token_cost)
         best, best_gain = None, window_cost
         for p in self.proposers:
-            draft = p.propose(request.request_id, room, known)
-            if not draft or not _repeats(draft, in_flight):
+            draft = p.propose(request.request_id, room)
+            if not draft or not draft.tokens:
                 continue
             rate = self._rate(request, p.name, asked=True, guess=known > 0)
             worths = [min(1.0, rate * score) for score in draft.scores[:room]]
@@ -109,8 +106,7 @@ class DraftPolicy:
 
     def draft_window(self, requests: list[Request], rooms: list[int], budget: int,
                      window_tokens: int, window_cost: float = 0.0, known: int = 0,
-                     group: int | None = None,
-                     in_flight: tuple[int, ...] = ()) -> list[Draft | None]:
+                     group: int | None = None) -> list[Draft | None]:
         """Drafts for a window's decoding slots, decided together by load pricing: each
         slot's proposer with the most expected tokens, then the draft tokens of all the
         slots in order of worth, as many as the pricing says the window should carry (at
@@ -118,8 +114,7 @@ class DraftPolicy:
         one by one would each pay for the steep start alone. A slot's draft must be
         worth more than `window_cost`; with one slot, its first `known` tokens come
         anyway (worth nothing, and left out as `draft` leaves them). Without load
-        pricing, each slot is decided alone as `draft` does (`known` and `in_flight`: as
-        `draft` takes them, for one slot)."""
+        pricing, each slot is decided alone as `draft` does."""
         if self.load is None:
             drafts = []
             for request, room in zip(requests, rooms):
@@ -130,8 +125,7 @@ class DraftPolicy:
                     budget -= len(draft.tokens)
                     window_tokens += len(draft.tokens)
             return drafts
-        offers = [self._offer(request, room, known, in_flight)
-                  for request, room in zip(requests, rooms)]
+        offers = [self._offer(request, room, known > 0) for request, room in zip(requests, rooms)]
         if len(offers) == 1 and offers[0] is not None:  # in its own order: `known` first
             ranked = [(0.0 if j < known else w, 0) for j, w in enumerate(offers[0][1])]
         else:
@@ -154,16 +148,16 @@ class DraftPolicy:
                                 draft.proposer, after_guess=known > 0))
         return drafts
 
-    def _offer(self, request: Request, room: int, known: int = 0,
-               in_flight: tuple[int, ...] = ()) -> tuple[Draft, list[float]] | None:
+    def _offer(self, request: Request, room: int,
+               guess: bool = False) -> tuple[Draft, list[float]] | None:
         """The proposers' draft with the most expected tokens, and each token's worth
-        (`known`, `in_flight`: as `draft` takes them)."""
+        (`guess`: its first token guesses one in flight)."""
         best = None
         for p in self.proposers if room > 0 else ():
-            draft = p.propose(request.request_id, room, known)
-            if not draft or not _repeats(draft, in_flight):
+            draft = p.propose(request.request_id, room)
+            if not draft or not draft.tokens:
                 continue
-            rate = self._rate(request, p.name, asked=True, guess=known > 0)
+            rate = self._rate(request, p.name, asked=True, guess=guess)
             worths = [min(1.0, rate * score) for score in draft.scores[:room]]
             if best is None or sum(worths) > sum(best[1]):
                 best = (draft, worths)
@@ -220,9 +214,8 @@ class SimulatedPolicy(DraftPolicy):
         return self.max_tokens > 0
 
     def draft(self, request: Request, room: int, window_cost: float = 0.0,
-              known: int = 0, window_tokens: int = 1,
-              in_flight: tuple[int, ...] = ()) -> Draft | None:
-        length = min(room - known, self.max_tokens)  # the verifier draws acceptance
+              known: int = 0, window_tokens: int = 1) -> Draft | None:
+        length = min(room, self.max_tokens) - known
         if length <= 0:
             return None
         return Draft([request.token_ids[-1]] * length, [1.0] * length, "simulated",
@@ -232,8 +225,3 @@ class SimulatedPolicy(DraftPolicy):
         request.draft_stats.simulated = True
         request.draft_stats.record(draft.proposer, len(draft.tokens), accepted)
         self.stats.record(draft.proposer, len(draft.tokens), accepted)
-
-
-def _repeats(draft: Draft | None, in_flight: tuple[int, ...]) -> bool:
-    """Does the draft hold tokens, its first ones the drafts in flight?"""
-    return bool(draft and draft.tokens) and tuple(draft.tokens[:len(in_flight)]) == in_flight

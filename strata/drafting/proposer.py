@@ -22,11 +22,9 @@ class Proposer(Protocol):
         """Tokens were committed to the request; `stage_drafts` are the drafts its window's
         last stage made for the next window (on_last_stage proposers only)."""
 
-    def propose(self, request_id: str, max_tokens: int, known: int = 0) -> Draft | None:
-        """The draft for the request's next window, at most `max_tokens` tokens long (and
-        at most the proposer's own limit after its first `known`, which guess tokens that
-        windows in flight compute: the policy drafts only after them); None when it has
-        nothing."""
+    def propose(self, request_id: str, max_tokens: int) -> Draft | None:
+        """The draft for the request's next window, at most `max_tokens` (and at most the
+        proposer's own limit) tokens long; None when it has nothing."""
 
     def finish(self, request_id: str) -> None:
         """The request finished: free what the proposer holds for it."""

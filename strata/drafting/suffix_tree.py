@@ -275,9 +275,9 @@ class SuffixProposer:
             state.active = state.trie.append(tokens, len(tokens) - 1, state.active)
             state.cursors = self._advance(state.cursors, tokens)
 
-    def propose(self, request_id: str, max_tokens: int, known: int = 0) -> Draft | None:
+    def propose(self, request_id: str, max_tokens: int) -> Draft | None:
         state = self._requests[request_id]
-        limit = min(max_tokens, self.max_draft + known)
+        limit = min(max_tokens, self.max_draft)
         if limit <= 0:
             return None
         best: tuple[list[int], list[float]] = ([], [])

@@ -90,7 +90,6 @@ class Engine:
                                    num_groups=config.num_groups(),
                                    state_rows_per_slot=rows_per_slot,
                                    ahead=schedules_ahead(config),
-                                   bet_on_drafts=config.spec_bet == "on",
                                    window_cost=config.spec_window_cost,
                                    max_drafts=max_drafts, prefix_cache=prefix_cache,
                                    kv_tokens=config.kv_tokens,

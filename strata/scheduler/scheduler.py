@@ -17,15 +17,7 @@ its id carried over on the device from the first window's verification (WindowHe
 carry_rows). A slot that carries drafts in the first sits the second out (which drafts
 pass decides where it goes on) and is back in the third, with its tokens known by then.
 So one slot's drafts never hold up the others' windows. A draft must gain more than
-`window_cost` (the window its slot sits out). With `bet_on_drafts`, where every slot of
-the first window carries drafts (so nothing would be built ahead of it), they do not sit
-out: the second window bets that all their drafts pass, and carries the token after them
-(the first window decides that token for its entry, on the device, whichever drafts
-pass). If they do not all pass, that entry starts past the slot's committed length and is
-void: its result is dropped at commit and its KV overwritten later, like a rejected
-draft's, and the slot is back in the third window, built ahead of the second. A slot
-alone in its group thus keeps the device busy while the host commits its drafted window,
-at the price of a void window when a draft fails. A carried slot may draft in the second
+`window_cost` (the window its slot sits out). A carried slot may draft in the second
 window too, after its token in flight: its proposers, asked on the context it has, guess
 that token with their draft's first token, and the window carries the rest after the
 carried one (only they count as gain; verification checks them against the real token,
@@ -79,7 +71,7 @@ class Scheduler:
                  window_cost: float = 0.0, max_drafts: int | None = None,
                  prefix_cache: bool = False, kv_tokens: int | None = None,
                  host_blocks: int = 0, host_conversations: int = 32,
-                 state_snapshots: int = 0, bet_on_drafts: bool = False):
+                 state_snapshots: int = 0):
         """`mtp_drafts`: the longest chain the model's MTP layer drafts on the last stage
         (0: none); `state_rows_per_slot`: rows of per-slot state the model's layers keep;
         `ahead`: build a decoding group's next window while its last computes (the runner
@@ -92,10 +84,7 @@ class Scheduler:
         `host_conversations` requests' blocks (kvcache/host.py; with the prefix cache);
         `state_snapshots`: for layers with per-slot state, finished requests' states at a
         block boundary kept for prefix reuse (kvcache/snapshots.py; 0: such models do not
-        reuse prefixes); `bet_on_drafts`: with `ahead`, where every slot of the window in
-        flight carries drafts, they go on in the window built ahead too, on the bet that
-        they all pass (not for layers with per-slot state, whose rows that window would
-        write)."""
+        reuse prefixes)."""
         if not 1 <= num_groups <= num_slots:
             raise ValueError(f"{num_groups} groups for {num_slots} slots")
         blocks_per_slot = -(-max_context // block_size)
@@ -139,8 +128,6 @@ class Scheduler:
         self.groups = [self.slots[g::num_groups] for g in range(num_groups)]
         self.in_flight: dict[int, int] = {}  # group -> its windows not committed yet
         self.ahead = ahead and not mtp_drafts
-        self.bet_on_drafts = bet_on_drafts and self.ahead and not state_rows_per_slot
-        self.bets_won = self.bets_lost = 0  # entries that bet on their drafts in flight
         self.window_cost = window_cost if self.ahead else 0.0
         self._latest: dict[int, Window] = {}  # each group's last window scheduled
         self._next_group = 0  # round robin over idle groups
@@ -234,97 +221,70 @@ class Scheduler:
         in_last = {index: (e, request, count, drafted) for e, (index, request, count, drafted)
                    in enumerate(zip(header.slots, last.requests, header.query_lens,
                                     header.num_drafts))}
-        # Entries in flight built on the bet that all their slot's drafts pass, which they
-        # did not: those slots sat that window out, their tokens known here.
-        void = [start != self.slots[index].num_computed
-                for index, start in zip(header.slots, header.starts)]
-        # Bets only where no slot of the window in flight goes on without drafts (else the
-        # window is built anyway, and a bet would only add an entry that may be void).
-        betting = self.bet_on_drafts and all(
-            d or v for d, v in zip(header.num_drafts, void))
         budget = self.max_window_tokens
         entries: list[tuple[Slot, int]] = []
         ahead: list[tuple[int, int] | None] = []
-        bets: list[bool] = []  # carried on the bet that all its drafts in flight pass
-        lost = False  # a slot whose entry in flight is void: it must not wait for it
         for slot in busy:
-            e = None
             if slot.index in in_last:
                 e, request, count, drafted = in_last[slot.index]
-                if slot.request is not request:
-                    return None
-            if e is not None and not void[e]:
-                if drafted and not betting:
+                if drafted:
                     continue  # which drafts pass decides its next tokens: it sits this one out
-                if slot.num_computed + count - drafted != request.num_tokens:
+                if slot.request is not request or slot.num_computed + count != request.num_tokens:
                     return None
-                if not self._continues(request, drafted):
+                if not self._continues(request):
                     return None
-                tokens = self._on_a_guess(slot, budget, len(busy),
-                                          tuple(last.drafts[e].tokens) if drafted else ())
+                tokens = self._on_a_guess(slot, budget, len(busy))
                 if tokens is None:
                     continue
                 entries.append((slot, tokens))
                 ahead.append((e, count))
-                bets.append(bool(drafted))
             elif slot.num_pending == 1:  # it sat out the window in flight: its token is known
                 tokens = self._with_draft(slot, budget, len(busy))
                 if tokens is None:
                     continue
                 entries.append((slot, tokens))
                 ahead.append(None)
-                bets.append(False)
-                lost = lost or e is not None
             else:
                 return None  # a prompt to prefill: the next window takes it
             budget -= entries[-1][1]
             if budget <= 0:
                 break
-        guessing = all(carried and slot.draft and not bet
-                       for (slot, _), carried, bet in zip(entries, ahead, bets))
-        if (not (any(ahead) or lost) or guessing
-                or self.budget.needed(entries, ahead) > self.pool.num_free):
+        guessing = all(carried and slot.draft for (slot, _), carried in zip(entries, ahead))
+        if not any(ahead) or guessing or self.budget.needed(entries, ahead) > self.pool.num_free:
             for slot, _ in entries:
                 slot.draft = None
-            # Nothing depends on the window in flight (and no slot waits on a void entry
-            # there), or every slot would draft on a guess of its token (their next window
-            # drafts on the real one, and no slot waits for it), or the pool is short (the
-            # next window finds room or makes it).
+            # Nothing depends on the window in flight, or every slot would draft on a guess
+            # of its token (their next window drafts on the real one, and no slot waits
+            # for it), or the pool is short (the next window finds room or makes it).
             return None
-        return self._build(group, entries, ahead=ahead, bets=bets)
+        return self._build(group, entries, ahead=ahead)
 
-    def _on_a_guess(self, slot: Slot, budget: int, window_tokens: int,
-                    in_flight: tuple[int, ...] = ()) -> int | None:
+    def _on_a_guess(self, slot: Slot, budget: int, window_tokens: int) -> int | None:
         """A carried slot's tokens in the window built ahead: the token in flight, then
         the drafts the policy picks after its proposers' guess of that token (their
         draft's first token, on the context the slot has here): only the tokens after it
         count, and they must gain more than `window_cost` (the slot sits out the window
-        built ahead of this one). `in_flight`: the drafts its window in flight carries,
-        when this entry bets that they all pass (its token in flight is then the one
-        after them, and a proposer's draft must repeat them before its guess of it).
-        Lossless: the window computes the real token, and each draft is verified against
-        it. None if its proposer failed (the request failed with it)."""
+        built ahead of this one). Lossless: the window computes the real token, and each
+        draft is verified against it. None if its proposer failed (the request failed
+        with it)."""
         slot.draft = None
         if self.drafts is None:
             return 1
-        known = 1 + len(in_flight)
         with self._isolated(slot):
-            slot.draft = self.drafts.draft(slot.request,
-                                           known + self._room(slot, budget - 1, known),
-                                           self.window_cost, known=known,
-                                           window_tokens=window_tokens, in_flight=in_flight)
+            slot.draft = self.drafts.draft(slot.request, 1 + self._room(slot, budget - 1, 1),
+                                           self.window_cost, known=1,
+                                           window_tokens=window_tokens)
         if slot.free:
             return None
         return 1 + slot.num_drafted
 
-    def _continues(self, request: Request, drafted: int = 0) -> bool:
-        """Can the request take two more tokens (the window in flight's, and one more),
-        and `drafted` more (drafts in flight that the next window bets on)?"""
+    def _continues(self, request: Request) -> bool:
+        """Can the request take two more tokens (the window in flight's, and one more)?"""
         params = request.params
         if (params.max_tokens is not None
-                and params.max_tokens - request.num_output_tokens < 2 + drafted):
+                and params.max_tokens - request.num_output_tokens < 2):
             return False
-        return request.num_tokens + 2 + drafted <= self.max_context
+        return request.num_tokens + 2 <= self.max_context
 
     def _schedule_group(self, group: int) -> Window | None:
         self._admit(self.groups[group])
@@ -473,12 +433,10 @@ class Scheduler:
         self.waiting.insert(later, request)
 
     def _build(self, group: int, entries: list[tuple[Slot, int]],
-               ahead: list[tuple[int, int] | None] | None = None,
-               bets: list[bool] | None = None) -> Window:
+               ahead: list[tuple[int, int] | None] | None = None) -> Window:
         """`ahead`: a window built ahead of the group's window in flight. Per entry, None
         (its tokens are known here) or (its entry in the window in flight, the tokens it
-        computes there): the entry is then the one token that window samples for it.
-        `bets`: per entry, does it bet that the drafts in flight all pass."""
+        computes there): the entry is then the one token that window samples for it."""
         tokens, positions, rows, tables, sample_rows = [], [], [], [], []
         samples, verify, following, mtp_rows, mtp_lens = [], [], [], [], []
         starts, carry_rows, carry_from, state_rows = [], [], [], []
@@ -487,9 +445,7 @@ class Scheduler:
             carried = ahead[e] if ahead else None
             request = slot.request
             start = slot.num_computed + (carried[1] if carried else 0)
-            # A carried entry's token in flight, after the drafts it bets on (if any).
-            num_tokens = request.num_tokens + (
-                1 + self._latest[group].header.num_drafts[carried[0]] if carried else 0)
+            num_tokens = request.num_tokens + (1 if carried else 0)
             if carried:
                 carry_rows.append(offset)
                 carry_from.append(carried[0])
@@ -555,7 +511,7 @@ class Scheduler:
             state_copies=self.keeper.take_copies() if self.keeper is not None else [],
         )
         return Window(header, requests=[slot.request for slot, _ in entries],
-                      drafts=[slot.draft for slot, _ in entries], bets=bets or [])
+                      drafts=[slot.draft for slot, _ in entries])
 
     def commit(self, window: Window, results: list[list[int]],
                stage_drafts: list[Draft | None] | None = None,
@@ -586,11 +542,6 @@ class Scheduler:
             token_logprobs = next(scored, None) if sample else None
             if slot.request is not request:  # aborted while the window was in flight
                 continue
-            if header.starts[entry_index] != slot.num_computed:
-                self.bets_lost += 1  # a bet that the drafts before it would all pass: void
-                continue
-            if window.bets and window.bets[entry_index]:
-                self.bets_won += 1
             if error is not None:
                 request.fail(error)
                 updated.append(request)

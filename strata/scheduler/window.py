@@ -79,5 +79,3 @@ class Window:
     header: WindowHeader
     requests: list[Request]       # request of each entry
     drafts: list[Draft | None]    # drafts the entry carries after its last known token
-    bets: list[bool] = field(default_factory=list)  # per entry (or none): a bet that the
-                                  # drafts of its slot's window in flight all pass
