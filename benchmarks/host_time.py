@@ -8,18 +8,23 @@ call of each, beside the stages' device time and the wait for it.
 
 Timers nest (a scheduler's step holds its proposers' calls), so the rows do not add up.
 `--gc-freeze` freezes the loaded engine out of the collector's passes, as the server does.
+`--ops N` adds, per workload, torch.profiler's N operators with the most host time of
+their own (torch ops, and on a GPU the CUDA runtime's calls: launches, graph launches,
+copies, event records, synchronisations), per step; the profiler's own cost inflates them.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import functools
 import gc
 import sys
 import time
 
+import torch
 from engine_streams import streams
 
 from strata.bench.report import add_record_flags, commit, machine, markdown_table, record
@@ -65,6 +70,26 @@ def timed(seconds: collections.Counter, calls: collections.Counter) -> None:
             setattr(cls, name, wrapper)
 
 
+@contextlib.contextmanager
+def profiled(ops: int, cuda: bool):
+    """torch.profiler around the block when `ops` > 0 (with the CUDA runtime's calls when
+    `cuda`), else None."""
+    if ops <= 0:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        yield prof
+
+
+def top_ops(prof, n: int, steps: int) -> list[list[str]]:
+    """The `n` operators with the most host time of their own, per step."""
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:n]
+    return [[e.key, f"{e.self_cpu_time_total / max(steps, 1):.1f}",
+             f"{e.count / max(steps, 1):.2f}"] for e in events]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--users", type=int, default=4)
@@ -72,6 +97,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=300)
     parser.add_argument("--tag", default="h", help="the prompts' tag (as the bench's seed)")
     parser.add_argument("--gc-freeze", action="store_true")
+    parser.add_argument("--ops", type=int, default=0,
+                        help="also the N operators with the most host time of their own")
     add_record_flags(parser)
     add_engine_flags(parser)
     args = parser.parse_args()
@@ -99,7 +126,8 @@ def main() -> int:
         wait, device = engine.runner.device_wait_seconds, sum(engine.stage_seconds)
         collected = sum(clock.seconds)
         drafted, accepted = engine.draft_stats.drafted, engine.draft_stats.accepted
-        r = streams(llm, name, args.users, args.max_tokens, f"{args.tag}{name[:2]}")
+        with profiled(args.ops, torch.cuda.is_available()) as profile:
+            r = streams(llm, name, args.users, args.max_tokens, f"{args.tag}{name[:2]}")
         steps = calls["Engine.step"]
         device = (sum(engine.stage_seconds) - device) / max(calls["Stage.forward"], 1)
         wait = (engine.runner.device_wait_seconds - wait) / steps
@@ -114,6 +142,9 @@ def main() -> int:
                 for label, s in sorted(seconds.items(), key=lambda kv: -kv[1])]
         print(markdown_table(["function", "ms per step", "calls per step", "us per call"],
                              rows) + "\n")
+        if profile is not None:
+            print(markdown_table(["operator", "host us per step (its own)", "calls per step"],
+                                 top_ops(profile, args.ops, steps)) + "\n")
         raw.append({"workload": name, "tok_s": r["tok_s"], "steps": steps,
                     "seconds": dict(seconds), "calls": dict(calls)})
     record(args, {"benchmark": "host_time", "model": model, "rows": raw})
