@@ -51,9 +51,8 @@ rows of one expert and, pair by pair, walks their blocks whole (triton_quant's
 one token on the H200 (benchmarks/README.md). Gate and up of one format are walked in
 one loop, Q_UNROLL blocks a step, so that a program has four blocks' loads in flight, not
 one; down sums each block's products into [Q_ROWS, groups, C] and reduces them once after
-its walk. A
-group never spans two blocks, so the inner dimensions must be whole blocks: H (and I,
-for down) a multiple of 256 for the K-quants, of 32 for Q8_0 and Q4_x.
+its walk. A group never spans two blocks, so the inner dimensions must be whole blocks: H
+(and I, for down) a multiple of 256 for the K-quants, of 32 for Q8_0 and Q4_x.
 
 Expert caches (--experts-in-ram, strata/experts/cache.py). Given `rows` (int64 [E]), the
 projections are a cache's pool of slots and each program reads its expert's weights at
