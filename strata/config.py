@@ -183,6 +183,12 @@ class EngineConfig:
         "drafts, in tokens: it sits out the window built ahead of its drafted one (the "
         "group's other slots go on; a slot alone makes the group wait, and the host's time "
         "shows). A draft is sent only when its expected gain exceeds this"))
+    spec_hedge: str = field(default="on", metadata=_opt(
+        "with windows built ahead: on, a slot that carries drafts in the window in flight "
+        "goes on in the window built ahead (where other slots go on too) as if all its "
+        "drafts failed, one token on from its last known one; if a draft passes, that entry "
+        "is void and dropped. off: the slot sits that window out (docs/SPECULATIVE.md)",
+        choices=("on", "off")))
     spec_pricing: str = field(default="fixed", metadata=_opt(
         "fixed (default): drafts cost --spec-window-cost and --spec-token-cost; measured: "
         "drafting is also charged what the engine's recent steps show a drafted entry and "

@@ -128,6 +128,47 @@ def test_a_slot_drafts_after_its_guessed_token_and_sits_out_the_window_after():
     assert [s.num_computed for s in sched.slots] == [7, 8, 7] and not sched.in_flight
 
 
+@pytest.mark.parametrize("passes", [False, True])
+def test_a_drafted_slot_goes_on_as_a_hedge(passes):
+    """With `hedge`, slot 0 does not sit out the window built ahead of its drafted one: it
+    goes on there as if its draft failed, one token on from its last known one, that token
+    from the device (what its window in flight decides for it). If the draft fails, that
+    entry is the slot's next step; if it passes, the entry is void: its result is dropped
+    at commit, and the window built next takes the slot with its tokens known."""
+    a, b, c = make(3, max_tokens=20), make(5, max_tokens=20), make(4, max_tokens=20)
+    sched = Scheduler(num_slots=3, max_context=64, max_window_tokens=32, block_size=4,
+                      drafts=DraftPolicy([DraftsFor(a)], token_cost=0.05), ahead=True,
+                      window_cost=0.4, hedge=True)
+    for r in (a, b, c):
+        sched.add(r)
+    prompts = sched.schedule()
+    guessed = sched.schedule_ahead()  # slot 0: its token in flight, then the draft [51]
+    sched.commit(prompts, [[50], [8], [9]])
+    hedged = sched.schedule_ahead()
+    assert hedged.header.slots == [0, 1, 2] and hedged.header.query_lens == [1, 1, 1]
+    assert hedged.hedges == [True, False, False] and hedged.header.num_drafts == [0, 0, 0]
+    assert hedged.header.positions.tolist() == [4, 6, 5]  # slot 0: one on from 50 at 3
+    assert hedged.header.carry_rows == [0, 1, 2] and hedged.header.carry_from == [0, 1, 2]
+    assert hedged.header.carry_first == [51, -1, -1]  # its draft in flight
+    if passes:
+        sched.commit(guessed, [[51, 12], [10], [11]])  # its draft passes: the hedge is void
+        back = sched.schedule_ahead()  # slot 0 again, its token (12) known here
+        assert back.header.slots == [0, 1, 2] and back.header.starts[0] == 5
+        assert back.header.token_ids.tolist()[:3] == [12, 50, 51]
+        sched.commit(hedged, [[99], [13], [14]])  # 99: the void entry's, dropped
+        assert (sched.hedges_taken, sched.hedges_void) == (0, 1)
+        sched.commit(back, [[50, 17], [18], [19]])
+        assert a.output_ids == [50, 51, 12, 50, 17]
+        assert [s.num_computed for s in sched.slots] == [7, 8, 7]
+    else:
+        sched.commit(guessed, [[12], [10], [11]])  # its draft fails: 12 at position 4
+        sched.commit(hedged, [[13], [14], [15]])  # ...and the hedge computed it: 13 next
+        assert (sched.hedges_taken, sched.hedges_void) == (1, 0)
+        assert a.output_ids == [50, 12, 13]
+        assert [s.num_computed for s in sched.slots] == [5, 7, 6]
+    assert b.output_ids == ([8, 10, 13, 18] if passes else [8, 10, 14]) and not sched.in_flight
+
+
 def test_no_window_ahead_where_every_slot_would_draft_on_a_guess():
     """With no other slot to carry on, nothing is built ahead of a drafted window, nor of
     one whose slots would all draft on a guess: the next window drafts on their real
@@ -185,20 +226,21 @@ def test_tokens_are_the_same_with_windows_ahead(tiny_models, groups):
     assert any(len(out) < p.max_tokens for out, p in zip(plain, params))
 
 
-@pytest.mark.parametrize("buckets", [False, True])
-def test_drafts_and_windows_ahead_take_turns(tiny_models, buckets):
+@pytest.mark.parametrize("buckets,hedge", [(False, "on"), (True, "on"), (False, "off")])
+def test_drafts_and_windows_ahead_take_turns(tiny_models, buckets, hedge):
     """Two of four requests draft (their greedy continuation, some tokens wrong): slots
     draft where a draft is worth the window they sit out, the others go on in windows
     built ahead, and every greedy token is as without drafts. Windows built ahead carry
     slots back with drafts after their known token beside carried ones, and carried slots
     with drafts after a guess of their token. `buckets`: windows padded to graph buckets
     with static buffers (triton, interpreted), whose first stage puts the carried tokens
-    in place itself."""
+    in place itself. `hedge`: drafted slots go on as hedges beside carried ones (void ones
+    among them), or sit those windows out."""
     folder, model = tiny_models["llama"]
     batch = prompts(4, model.config.vocab_size, seed=11, low=6, high=14)
     greedy = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 4
     config = EngineConfig(model=str(folder), parallel=4, max_context=160, spec=8,
-                          schedule_ahead="on")
+                          schedule_ahead="on", spec_hedge=hedge)
     plain, _ = run(Engine(dataclasses.replace(config, spec=0, schedule_ahead="off")), batch,
                    greedy, frozenset())
     engine = Engine(dataclasses.replace(config, attention_backend="triton") if buckets
@@ -224,7 +266,49 @@ def test_drafts_and_windows_ahead_take_turns(tiny_models, buckets):
     assert carried > 0 and stats.accepted > 0 and stats.drafted > stats.accepted
     known, guessed = drafts_ahead(ahead)
     assert known > 0 and guessed > 0
+    taken, void = engine.scheduler.hedges_taken, engine.scheduler.hedges_void
+    assert (taken > 0 and void > 0) if hedge == "on" else taken == void == 0
     assert len(scattered) > 0 or not buckets  # carried tokens put in place among others
+
+
+def test_void_hedges_rewrite_what_their_window_wrote(tiny_models):
+    """Three of four requests draft for 80 tokens: many hedges are void (a draft before
+    them passed), and each wrote its position's KV again. It must write the token that is
+    there (the accepted draft), not the one decided after the accepted drafts: every
+    greedy token is as without drafts (taking the latter changes tokens here)."""
+    folder, model = tiny_models["llama"]
+    batch = prompts(4, model.config.vocab_size, seed=11, low=6, high=14)
+    greedy = [SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)] * 4
+    config = EngineConfig(model=str(folder), parallel=4, max_context=200, spec=8,
+                          schedule_ahead="on", spec_hedge="on")
+    plain, _ = run(Engine(dataclasses.replace(config, spec=0, schedule_ahead="off")), batch,
+                   greedy, frozenset())
+    engine = Engine(config)
+    engine.scheduler.drafts.proposers = [Oracle(batch[:3], plain[:3], seed=11)]
+    drafted, _ = run(engine, batch, greedy, frozenset())
+    assert drafted == plain
+    assert engine.scheduler.hedges_taken > 5 and engine.scheduler.hedges_void > 20
+
+
+def test_seeded_sampling_is_the_same_with_hedges(tiny_models):
+    """Seeded sampling with drafts: a hedge draws its token with the generator of its
+    position, as the window after a slot's sat-out one would, so the tokens are the same
+    with hedges and without."""
+    folder, model = tiny_models["llama"]
+    batch = prompts(4, model.config.vocab_size, seed=12, low=6, high=14)
+    seeded = [SamplingParams(temperature=0.8, seed=i, max_tokens=50, ignore_eos=True)
+              for i in range(4)]
+    config = EngineConfig(model=str(folder), parallel=4, max_context=200, spec=8,
+                          schedule_ahead="on")
+    plain, _ = run(Engine(dataclasses.replace(config, spec=0, schedule_ahead="off")), batch,
+                   seeded, frozenset())
+    outputs, void = [], []
+    for hedge in ("on", "off"):
+        engine = Engine(dataclasses.replace(config, spec_hedge=hedge))
+        engine.scheduler.drafts.proposers = [Oracle(batch[:3], plain[:3], seed=12)]
+        outputs.append(run(engine, batch, seeded, frozenset())[0])
+        void.append(engine.scheduler.hedges_void + engine.scheduler.hedges_taken)
+    assert outputs[0] == outputs[1] and void[0] > 10 and void[1] == 0
 
 
 def drafts_ahead(headers: list) -> tuple[int, int]:

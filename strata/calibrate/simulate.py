@@ -256,6 +256,7 @@ def simulate(profile: CostProfile, config: EngineConfig, traces: list[Trace],
     scheduler = Scheduler(config.parallel, max_context, config.max_window_tokens,
                           config.block_size, policy, num_groups=config.num_groups(),
                           ahead=schedules_ahead(config), window_cost=config.spec_window_cost,
+                          hedge=config.spec_hedge == "on",
                           prefix_cache=config.prefix_cache == "on")
     cores = profile.cpu_cores * profile.cpu_efficiency if profile.cpu_cores else None
     runner = SimulatedRunner(curves, profile.hop_seconds if config.stage_processes else 0.0,

@@ -90,6 +90,7 @@ class Engine:
                                    num_groups=config.num_groups(),
                                    state_rows_per_slot=rows_per_slot,
                                    ahead=schedules_ahead(config),
+                                   hedge=config.spec_hedge == "on",
                                    window_cost=config.spec_window_cost,
                                    max_drafts=max_drafts, prefix_cache=prefix_cache,
                                    kv_tokens=config.kv_tokens,

@@ -14,10 +14,16 @@ slot, its blocks and its state rows at once.
 A decoding group can have a second window in flight (`ahead`), built while its first
 computes. A slot that carries no drafts in the first window is one token on in the second,
 its id carried over on the device from the first window's verification (WindowHeader
-carry_rows). A slot that carries drafts in the first sits the second out (which drafts
-pass decides where it goes on) and is back in the third, with its tokens known by then.
-So one slot's drafts never hold up the others' windows. A draft must gain more than
-`window_cost` (the window its slot sits out). A carried slot may draft in the second
+carry_rows). A slot that carries drafts in the first cannot know where it goes on (which
+drafts pass decides that): with `hedge` it goes on in the second as a hedge, one token on
+from its last known one as if every draft failed, with the token at its first draft's
+position carried over (WindowHeader carry_first). If every draft fails, that is the
+slot's next step; if one passes, the hedge is void: its result is dropped at commit, and
+the KV it wrote is the accepted draft's again. Without `hedge` (or where no other slot goes
+on, or the layers keep per-slot state) it sits the second out. Either way it is back in
+the third, with its tokens known by then, and one slot's drafts never hold up the others'
+windows. A draft must gain more than `window_cost` (the window its slot may lose). A
+carried slot may draft in the second
 window too, after its token in flight: its proposers, asked on the context it has, guess
 that token with their draft's first token, and the window carries the rest after the
 carried one (only they count as gain; verification checks them against the real token,
@@ -71,7 +77,7 @@ class Scheduler:
                  window_cost: float = 0.0, max_drafts: int | None = None,
                  prefix_cache: bool = False, kv_tokens: int | None = None,
                  host_blocks: int = 0, host_conversations: int = 32,
-                 state_snapshots: int = 0):
+                 state_snapshots: int = 0, hedge: bool = False):
         """`mtp_drafts`: the longest chain the model's MTP layer drafts on the last stage
         (0: none); `state_rows_per_slot`: rows of per-slot state the model's layers keep;
         `ahead`: build a decoding group's next window while its last computes (the runner
@@ -84,7 +90,9 @@ class Scheduler:
         `host_conversations` requests' blocks (kvcache/host.py; with the prefix cache);
         `state_snapshots`: for layers with per-slot state, finished requests' states at a
         block boundary kept for prefix reuse (kvcache/snapshots.py; 0: such models do not
-        reuse prefixes)."""
+        reuse prefixes); `hedge`: with `ahead`, a slot with drafts in the window in flight
+        goes on in the window built ahead as if they all failed (not for per-slot state,
+        whose rows that entry would write)."""
         if not 1 <= num_groups <= num_slots:
             raise ValueError(f"{num_groups} groups for {num_slots} slots")
         blocks_per_slot = -(-max_context // block_size)
@@ -129,6 +137,8 @@ class Scheduler:
         self.in_flight: dict[int, int] = {}  # group -> its windows not committed yet
         self.ahead = ahead and not mtp_drafts
         self.window_cost = window_cost if self.ahead else 0.0
+        self.hedge = hedge and self.ahead and not state_rows_per_slot
+        self.hedges_taken = self.hedges_void = 0  # hedges committed, and dropped as void
         self._latest: dict[int, Window] = {}  # each group's last window scheduled
         self._next_group = 0  # round robin over idle groups
         self.failed: list[Request] = []  # failed while drafting; the next commit reports them
@@ -220,44 +230,58 @@ class Scheduler:
             return None  # a request to admit: the next window takes it
         in_last = {index: (e, request, count, drafted) for e, (index, request, count, drafted)
                    in enumerate(zip(header.slots, last.requests, header.query_lens,
-                                    header.num_drafts))}
+                                    header.num_drafts))
+                   if not (last.hedges and last.hedges[e] and
+                           header.starts[e] != self.slots[index].num_computed)}
+        # (A hedge in flight that is void already, its drafts before it having passed,
+        # leaves its slot's tokens known here, as if it had sat that window out.)
         budget = self.max_window_tokens
         entries: list[tuple[Slot, int]] = []
         ahead: list[tuple[int, int] | None] = []
+        hedges: list[bool] = []
         for slot in busy:
             if slot.index in in_last:
                 e, request, count, drafted = in_last[slot.index]
-                if drafted:
+                if slot.request is not request:
+                    return None
+                if drafted and not self.hedge:
                     continue  # which drafts pass decides its next tokens: it sits this one out
-                if slot.request is not request or slot.num_computed + count != request.num_tokens:
+                if slot.num_computed + count - drafted != request.num_tokens:
                     return None
                 if not self._continues(request):
                     return None
-                tokens = self._on_a_guess(slot, budget, len(busy))
-                if tokens is None:
-                    continue
+                if drafted:  # a hedge: one token on from its last known one, no drafts
+                    slot.draft, tokens = None, 1
+                else:
+                    tokens = self._on_a_guess(slot, budget, len(busy))
+                    if tokens is None:
+                        continue
                 entries.append((slot, tokens))
-                ahead.append((e, count))
+                ahead.append((e, count - drafted))
+                hedges.append(bool(drafted))
             elif slot.num_pending == 1:  # it sat out the window in flight: its token is known
                 tokens = self._with_draft(slot, budget, len(busy))
                 if tokens is None:
                     continue
                 entries.append((slot, tokens))
                 ahead.append(None)
+                hedges.append(False)
             else:
                 return None  # a prompt to prefill: the next window takes it
             budget -= entries[-1][1]
             if budget <= 0:
                 break
         guessing = all(carried and slot.draft for (slot, _), carried in zip(entries, ahead))
-        if not any(ahead) or guessing or self.budget.needed(entries, ahead) > self.pool.num_free:
+        if (not any(a is not None and not h for a, h in zip(ahead, hedges)) or guessing
+                or self.budget.needed(entries, ahead) > self.pool.num_free):
             for slot, _ in entries:
                 slot.draft = None
-            # Nothing depends on the window in flight, or every slot would draft on a guess
-            # of its token (their next window drafts on the real one, and no slot waits
-            # for it), or the pool is short (the next window finds room or makes it).
+            # Nothing depends on the window in flight but hedges (a window of them alone
+            # would cost the host as much as any), or every slot would draft on a guess of
+            # its token (their next window drafts on the real one, and no slot waits for
+            # it), or the pool is short (the next window finds room or makes it).
             return None
-        return self._build(group, entries, ahead=ahead)
+        return self._build(group, entries, ahead=ahead, hedges=hedges)
 
     def _on_a_guess(self, slot: Slot, budget: int, window_tokens: int) -> int | None:
         """A carried slot's tokens in the window built ahead: the token in flight, then
@@ -433,13 +457,14 @@ class Scheduler:
         self.waiting.insert(later, request)
 
     def _build(self, group: int, entries: list[tuple[Slot, int]],
-               ahead: list[tuple[int, int] | None] | None = None) -> Window:
+               ahead: list[tuple[int, int] | None] | None = None,
+               hedges: list[bool] | None = None) -> Window:
         """`ahead`: a window built ahead of the group's window in flight. Per entry, None
         (its tokens are known here) or (its entry in the window in flight, the tokens it
         computes there): the entry is then the one token that window samples for it."""
         tokens, positions, rows, tables, sample_rows = [], [], [], [], []
         samples, verify, following, mtp_rows, mtp_lens = [], [], [], [], []
-        starts, carry_rows, carry_from, state_rows = [], [], [], []
+        starts, carry_rows, carry_from, carry_first, state_rows = [], [], [], [], []
         offset = 0  # window row of the entry's first token
         for e, (slot, count) in enumerate(entries):
             carried = ahead[e] if ahead else None
@@ -449,6 +474,8 @@ class Scheduler:
             if carried:
                 carry_rows.append(offset)
                 carry_from.append(carried[0])
+                carry_first.append(self._latest[group].drafts[carried[0]].tokens[0]
+                                   if hedges and hedges[e] else -1)
             if self.state_rows_per_slot:  # a carried slot goes on from its window in flight
                 source = (self._latest[group].header.state_rows[carried[0], 1].item()
                           if carried else slot.state_current)
@@ -506,12 +533,13 @@ class Scheduler:
             mtp_lens=mtp_lens if self.mtp_drafts else None,
             carry_rows=carry_rows,
             carry_from=carry_from,
+            carry_first=carry_first if any(t >= 0 for t in carry_first) else [],
             spills=spills,
             restores=restores,
             state_copies=self.keeper.take_copies() if self.keeper is not None else [],
         )
         return Window(header, requests=[slot.request for slot, _ in entries],
-                      drafts=[slot.draft for slot, _ in entries])
+                      drafts=[slot.draft for slot, _ in entries], hedges=hedges or [])
 
     def commit(self, window: Window, results: list[list[int]],
                stage_drafts: list[Draft | None] | None = None,
@@ -542,6 +570,11 @@ class Scheduler:
             token_logprobs = next(scored, None) if sample else None
             if slot.request is not request:  # aborted while the window was in flight
                 continue
+            if window.hedges and window.hedges[entry_index]:
+                if header.starts[entry_index] != slot.num_computed:
+                    self.hedges_void += 1  # drafts before it passed: its result is stale
+                    continue
+                self.hedges_taken += 1
             if error is not None:
                 request.fail(error)
                 updated.append(request)

@@ -51,6 +51,11 @@ class WindowHeader:
     # group's previous window decides for its entry carry_from[i] (on the device).
     carry_rows: list[int] = field(default_factory=list)
     carry_from: list[int] = field(default_factory=list)
+    # Per carried entry of a hedge (Scheduler, `hedge`), the first draft of its entry in
+    # the previous window, else -1: a hedge takes the token at that draft's position,
+    # which is the draft where the previous window accepts it and the token decided there
+    # where it does not (so a void hedge rewrites the KV the previous window wrote).
+    carry_first: list[int] = field(default_factory=list)
     # KV blocks to copy before the window computes, on every stage (the conversation
     # cache, kvcache/host.py): (device block, host block) out, then (host block, device
     # block) back.
@@ -79,3 +84,5 @@ class Window:
     header: WindowHeader
     requests: list[Request]       # request of each entry
     drafts: list[Draft | None]    # drafts the entry carries after its last known token
+    hedges: list[bool] = field(default_factory=list)  # per entry (or none): a hedge, one
+                                  # token on as if every draft of its slot in flight failed
