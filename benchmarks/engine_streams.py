@@ -9,8 +9,9 @@ a cell from the server's (which streams every token from the same process).
 Each batch's prompts carry a fresh tag, as the bench's do (`--seed S`: the very prompts of
 `strata bench --seed S`'s N-user cells); a first batch of one request warms the engine up
 and is not reported. `windows` counts the windows the batch took until its last stream
-finished: on the CPU, where time per window says little about a GPU's, it is how the
-scheduler's choices (drafts, windows sat out) compare.
+finished (`hedges`: drafted slots that went on in a window built ahead, and those void
+because a draft passed): on the CPU, where time per window says little about a GPU's, it
+is how the scheduler's choices (drafts, windows sat out) compare.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def streams(llm: LLM, name: str, users: int, max_tokens: int, tag: str,
              else f"[{tag}{i:02x}] " + workload(name) for i in range(users)]
     jobs = [llm.add(llm.encode_prompt(text), params) for text in texts]
     engine, worst, done = llm.engine, 0.0, {}
+    hedges = engine.scheduler.hedges_taken, engine.scheduler.hedges_void
     windows = []
     engine.observers.append(lambda window, result: windows.append(window))
     start = time.perf_counter()
@@ -57,7 +59,8 @@ def streams(llm: LLM, name: str, users: int, max_tokens: int, tag: str,
                                                           enumerate(tokens)],
             "worst_ms": worst * 1e3, "drafted": engine.draft_stats.drafted,
             "accepted": engine.draft_stats.accepted, "windows": len(windows),
-            "tokens": sum(tokens)}
+            "tokens": sum(tokens), "hedges": [engine.scheduler.hedges_taken - hedges[0],
+                                              engine.scheduler.hedges_void - hedges[1]]}
 
 
 def main() -> int:
@@ -84,7 +87,8 @@ def main() -> int:
             r = streams(llm, name, n, args.max_tokens, f"{name[:2]}{n}", args.seed)
             rows.append([name, n, f"{r['tok_s']:.0f}",
                          f"{min(r['stream_tok_s']):.0f}-{max(r['stream_tok_s']):.0f}",
-                         f"{r['worst_ms']:.1f}", r["windows"], r["tokens"]])
+                         f"{r['worst_ms']:.1f}", r["windows"], r["tokens"],
+                         "{} / {}".format(*r["hedges"])])
             raw.append({"workload": name, "users": n, **r})
     model = args.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)"
     settings = (f"devices={','.join(config.devices)} spec={config.spec} "
@@ -92,7 +96,7 @@ def main() -> int:
                 f"max-tokens={args.max_tokens} seed={args.seed}")
     print(f"machine: {machine()}\ncommit: {commit()}\nmodel: {model}\nsettings: {settings}\n")
     print(markdown_table(["workload", "streams", "tok/s", "each stream", "slowest step ms",
-                          "windows", "tokens"], rows))
+                          "windows", "tokens", "hedges taken / void"], rows))
     record(args, {"benchmark": "engine_streams", "model": model, "settings": settings,
                   "rows": raw})
     return 0
