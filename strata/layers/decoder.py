@@ -1,7 +1,9 @@
 """The pre-norm decoder layer shared by llama-family architectures:
 x + attn(norm(x)), then h + mlp(norm(h)). The attention (or any token mixer that keeps
 its state in the layer's cache) and the MLP are supplied by the architecture file. The
-first residual add and the norm after it are one fused step (strata/layers/fused.py)."""
+first residual add and the norm after it are one fused step (strata/layers/fused.py);
+`forward_split` leaves the second add to whoever comes next (the next layer's input norm,
+or the final norm), so that it is fused with a norm too."""
 
 import torch
 from torch import nn
@@ -25,6 +27,18 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: Cache) -> torch.Tensor:
-        attn = self._mixer(self.input_layernorm(x), meta, cache)
+        out, h = self.forward_split(x, None, meta, cache)
+        return h + out
+
+    def forward_split(self, x: torch.Tensor, residual: torch.Tensor | None, meta: ForwardMeta,
+                      cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on input `x + residual` (`residual` None: on `x`), returned as its two
+        summands (mlp output, h), whose sum is the layer's output: the add is left to the
+        next norm, which makes it with its own kernel's (RMSNorm.add_and_norm)."""
+        if residual is None:
+            normed = self.input_layernorm(x)
+        else:
+            x, normed = self.input_layernorm.add_and_norm(x, residual)
+        attn = self._mixer(normed, meta, cache)
         h, normed = self.post_attention_layernorm.add_and_norm(attn, x)  # h = x + attn
-        return h + self.mlp(normed)
+        return self.mlp(normed), h

@@ -66,12 +66,14 @@ class StageModule(nn.Module):
         Returns hidden [T, hidden]; on the last stage (logits [S, vocab] of the rows the
         window asks for, final-norm hidden [T, hidden] of every row)."""
         h = self.model.embed_tokens(x) if self.first else x
+        residual = None  # each layer's output as two summands, added by the next norm
         for layer, cache in zip(self.model.layers.values(), caches):
-            h = layer(h, meta, cache)
+            h, residual = layer.forward_split(h, residual, meta, cache)
         if self.last:
-            normed = self.model.norm(h)
+            normed = (self.model.norm(h) if residual is None
+                      else self.model.norm.add_and_norm(h, residual)[1])
             return self.lm_head(normed[meta.logits_idx]), normed
-        return h
+        return h if residual is None else h + residual
 
 
 class Stage:
