@@ -2,7 +2,8 @@
 kernel; in triton's interpreter here, see conftest.py) against the PyTorch functions it
 replaces, on strided q and k as the layer hands them over (views of one qkv projection);
 whole engines give the same tokens on either path; the backend's one-launch KV write
-equals two index copies; both kernels compile for SM86 and SM90 without a GPU."""
+equals two index copies, and the rotation's own write of the cache equals it; both kernels
+compile for SM86 and SM90 without a GPU."""
 
 from __future__ import annotations
 
@@ -53,9 +54,9 @@ def test_one_kernel_equals_the_norms_then_the_rotation(dtype, dim, with_norm, mo
     monkeypatch.setattr(rotary_triton, "norm_rotate",
                         lambda *a, **kw: called.append(1) or real(*a, **kw))
     monkeypatch.setattr(RotaryEmbedding, "path", "torch")
-    ref = rotary.norm_rotate(q, k, positions, q_norm, k_norm)
+    ref = rotary.norm_rotate(q, k, positions, q_norm, k_norm)[:2]
     monkeypatch.setattr(RotaryEmbedding, "path", "triton")
-    ours = rotary.norm_rotate(q, k, positions, q_norm, k_norm)
+    ours = rotary.norm_rotate(q, k, positions, q_norm, k_norm)[:2]
     assert called == [1]  # the kernel ran, on the triton path only
     for a, b in zip(ours, ref):
         assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous()
@@ -99,10 +100,35 @@ def test_engines_give_the_same_tokens_on_either_path(tmp_path, monkeypatch):
     called = []
     real = rotary_triton.norm_rotate
     monkeypatch.setattr(rotary_triton, "norm_rotate",
-                        lambda *a, **kw: called.append(1) or real(*a, **kw))
+                        lambda *a, **kw: called.append(a[-1] is not None) or real(*a, **kw))
     monkeypatch.setattr(RotaryEmbedding, "path", "triton")
     assert engine.generate(batch, params) == ref
-    assert called
+    assert called and all(called)  # and it wrote the keys and values itself
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_the_rotation_writes_keys_and_values_as_the_backend_would(dtype, with_norm):
+    """`kv_write`: the kernel also puts the rotated keys and the values (views of one qkv
+    projection) into the cache's rows, bit for bit as rotating and then the backend's
+    write_kv; rows repeat where a padded window's padding tokens share one."""
+    from strata.attention import triton_kernel
+    from strata.layers import rotary_triton
+    rotary = RotaryEmbedding(64, 64, 10000.0)
+    q, k, v = qkv_views(6, 4, 2, 64, dtype)
+    weights = tuple(n.weight for n in norms(64, dtype)) if with_norm else None
+    positions = torch.tensor([0, 3, 3, 9, 1, 0], dtype=torch.int32)
+    rows = torch.tensor([9, 0, 31, 4, 40, 40])
+    key, value = torch.randn(2, 41, 2, 64).to(dtype)
+    expect_key, expect_value = key.clone(), value.clone()
+    rq, rk = rotary_triton.norm_rotate(q, k, rotary.cos, rotary.sin, positions, weights, 1e-6)
+    triton_kernel.write_kv(rk, v, expect_key, expect_value, rows)
+    assert rotary_triton.writes(k, (v, key, value, rows))
+    oq, ok = rotary_triton.norm_rotate(q, k, rotary.cos, rotary.sin, positions, weights, 1e-6,
+                                       (v, key, value, rows))
+    assert torch.equal(oq, rq) and torch.equal(ok, rk)
+    assert torch.equal(key, expect_key) and torch.equal(value, expect_value)
+    assert not rotary_triton.writes(k, (v, key.to(torch.float16), value, rows))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -130,7 +156,8 @@ def _compile(arch: int, dim: int, dtype, norm: bool):
                 else "*" + TRITON_TYPES[dtype] if name.endswith(("_ptr", "_out", "_weight"))
                 else "i32")
 
-    rotate = compile_kernel(rotary_triton._norm_rotate, arch, dict(D=dim, NORM=norm), types,
+    rotate = compile_kernel(rotary_triton._norm_rotate, arch, dict(D=dim, NORM=norm, WRITE=norm),
+                            types,
                             dict(num_warps=1, num_stages=2))
     write = compile_kernel(triton_kernel._write_kv, arch,
                            dict(HD=3 * dim, D=dim, BLOCK=triton_kernel.triton.next_power_of_2(

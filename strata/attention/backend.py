@@ -62,10 +62,13 @@ class AttentionBackend(Protocol):
         stage, then passed to every attention layer's `forward`."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cache: PagedKVCache, meta: Any, scale: float | None = None) -> torch.Tensor:
+                cache: PagedKVCache, meta: Any, scale: float | None = None,
+                written: bool = False) -> torch.Tensor:
         """q [T, H, D], k and v [T, Hkv, D] -> [T, H, D]. Writes k and v into the window's
-        cache rows, then each token attends to its own entry's keys at positions up to
-        its own. `scale` multiplies q·k (default 1/sqrt(D))."""
+        cache rows (unless `written`: only a backend with `rows(meta)`, the rows [T] a
+        kernel before it may write them to, is told so), then each token attends to its
+        own entry's keys at positions up to its own. `scale` multiplies q·k (default
+        1/sqrt(D))."""
 
     # A backend that CUDA graphs capture (`capturable = True`) also has
     # `prepare_host(batch)`: the metadata on the host (a bucket's shapes, from a padded

@@ -57,7 +57,8 @@ class ReferenceBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cache: PagedKVCache, meta: ReferenceMeta,
-                scale: float | None = None) -> torch.Tensor:
+                scale: float | None = None, written: bool = False) -> torch.Tensor:
+        assert not written, "the reference backend writes its cache itself"
         cache.key[meta.slot_mapping] = k.to(cache.key.dtype)
         cache.value[meta.slot_mapping] = v.to(cache.value.dtype)
         heads, dim = q.shape[1], q.shape[2]

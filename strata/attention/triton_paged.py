@@ -78,6 +78,12 @@ class TritonBackend:
         self.kernel = kernel  # triton_kernel.paged_attention
         self.write = write    # triton_kernel.write_kv
 
+    @staticmethod
+    def rows(meta: TritonMeta) -> torch.Tensor:
+        """The cache rows a window's k and v go to: a kernel before `forward` may write
+        them there (the rotation's: ForwardMeta.kv_write), and say so."""
+        return meta.slot_mapping
+
     def prepare(self, batch: AttentionBatch, device: torch.device) -> TritonMeta:
         check_device(torch.device(device).type)
         host = self.prepare_host(batch)
@@ -111,8 +117,10 @@ class TritonBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cache: PagedKVCache, meta: TritonMeta,
-                scale: float | None = None) -> torch.Tensor:
-        if k.stride(-1) == v.stride(-1) == 1 and k.dtype == v.dtype == cache.key.dtype:
+                scale: float | None = None, written: bool = False) -> torch.Tensor:
+        if written:
+            pass  # the rotation's kernel wrote k and v to meta.slot_mapping's rows
+        elif k.stride(-1) == v.stride(-1) == 1 and k.dtype == v.dtype == cache.key.dtype:
             self.write(k, v, cache.key, cache.value, meta.slot_mapping)
         else:  # a cast first: PyTorch's
             cache.key.index_copy_(0, meta.slot_mapping, k.to(cache.key.dtype))

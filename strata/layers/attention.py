@@ -49,9 +49,11 @@ class Attention(nn.Module):
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary.norm_rotate(q, k, meta.positions, getattr(self, "q_norm", None),
-                                       getattr(self, "k_norm", None))
-        out = meta.attend(q, k, v, cache)                       # [T, H, D]
+        q, k, written = self.rotary.norm_rotate(q, k, meta.positions,
+                                                getattr(self, "q_norm", None),
+                                                getattr(self, "k_norm", None),
+                                                meta.kv_write(v, cache))
+        out = meta.attend(q, k, v, cache, written=written)      # [T, H, D]
         out = out.reshape(tokens, self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)

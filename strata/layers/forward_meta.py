@@ -37,6 +37,16 @@ class ForwardMeta:
                    state=None if state is None else state.to(device))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache,
-               scale: float | None = None) -> torch.Tensor:
-        """The backend's attention over `cache` (a PagedKVCache): writes k, v, attends."""
+               scale: float | None = None, written: bool = False) -> torch.Tensor:
+        """The backend's attention over `cache` (a PagedKVCache): writes k, v (unless
+        `written`: a kernel before it did, into `kv_write`'s rows), attends."""
+        if written:  # only a backend with `rows` is told (others keep the plain signature)
+            return self.backend.forward(q, k, v, cache, self.attention, scale, written=True)
         return self.backend.forward(q, k, v, cache, self.attention, scale)
+
+    def kv_write(self, v: torch.Tensor, cache) -> tuple | None:
+        """(v, the cache's key and value tensors, the window's cache rows) for a kernel
+        that writes keys and values on its way (the rotation's), where the backend lets
+        its write be done so; else None."""
+        rows = getattr(self.backend, "rows", None)
+        return None if rows is None else (v, cache.key, cache.value, rows(self.attention))

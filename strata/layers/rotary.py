@@ -135,11 +135,14 @@ class RotaryEmbedding(nn.Module):
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def norm_rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                    q_norm: nn.Module | None = None,
-                    k_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
+                    kv_write: tuple | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """q and k each RMSNormed per head by `q_norm` and `k_norm` (Qwen3's, when the
         layer has them), then rotated: one Triton kernel on that path, where the common
-        case allows (plain RMSNorm, the table rotating whole heads)."""
+        case allows (plain RMSNorm, the table rotating whole heads). `kv_write` (v, the
+        cache's key and value, the window's rows: ForwardMeta.kv_write): that kernel also
+        writes k and v into the cache where it can; the flag says whether it did."""
         norms = (q_norm, k_norm) if q_norm is not None else None
         if self._triton(q) and not self.interleaved and (
                 norms is None or all(type(n) is RMSNorm and n.eps == q_norm.eps for n in norms)):
@@ -147,11 +150,14 @@ class RotaryEmbedding(nn.Module):
 
             weights = None if norms is None else (q_norm.weight, k_norm.weight)
             if rotary_triton.takes(q, k, self.cos, weights):
-                return rotary_triton.norm_rotate(q, k, self.cos, self.sin, positions, weights,
-                                                 q_norm.eps if norms else 0.0)
+                write = kv_write is not None and rotary_triton.writes(k, kv_write)
+                q, k = rotary_triton.norm_rotate(q, k, self.cos, self.sin, positions, weights,
+                                                 q_norm.eps if norms else 0.0,
+                                                 kv_write if write else None)
+                return q, k, write
         if norms is not None:
             q, k = q_norm(q), k_norm(k)
-        return self(q, k, positions)
+        return (*self(q, k, positions), False)
 
     def _triton(self, x: torch.Tensor) -> bool:
         if self.path != "auto":

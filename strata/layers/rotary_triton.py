@@ -5,6 +5,10 @@ this is one launch where PyTorch (or torch.compile) takes two to four: the norms
 rotations of q and k are separate kernels there, each ~2 us of a CUDA graph's replay,
 48 layers a token on a 30B MoE.
 
+Given the cache's key and value tensors and the window's rows (`kv_write`), it also
+writes the rotated keys and the values into the cache, which the attention backend's own
+write would do in a launch of its own (programs of v's heads after k's copy them).
+
 Program (t, h) takes head h of token t: q's heads first, then k's. It computes in float32
 and rounds where the PyTorch functions (strata/layers/fused.py, the ground truth) round in
 the activation dtype: the normalised row before the weight, the weight's product, cos and
@@ -26,40 +30,55 @@ from strata.layers import pdl
 
 @triton.jit
 def _norm_rotate(q_ptr, k_ptr, q_out, k_out, q_weight, k_weight, cos_ptr, sin_ptr, pos_ptr,
-                 stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads, eps,
-                 D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+                 v_ptr, key_ptr, value_ptr, slot_ptr,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                 num_q_heads, num_k_heads, eps,
+                 D: tl.constexpr, NORM: tl.constexpr, WRITE: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         pdl.wait()
     t = tl.program_id(0)
     h = tl.program_id(1)
     dtype = q_out.dtype.element_ty
     i = tl.arange(0, D)
-    partner = (i + D // 2) % D  # rotate_half: (-x[D/2:], x[:D/2])
-    sign = tl.where(i < D // 2, -1.0, 1.0)
-    if h < num_q_heads:
-        src = q_ptr + t.to(tl.int64) * stride_qt + h * stride_qh
-        dst = q_out + (t.to(tl.int64) * num_q_heads + h) * D
-        weight = q_weight
-    else:
-        src = k_ptr + t.to(tl.int64) * stride_kt + (h - num_q_heads) * stride_kh
-        dst = k_out + (t.to(tl.int64) * num_k_heads + (h - num_q_heads)) * D
-        weight = k_weight
-    x = tl.load(src + i).to(tl.float32)
-    x_partner = tl.load(src + partner).to(tl.float32)
-    if NORM:  # rms_norm: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), in dtype
-        scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-        x = (tl.load(weight + i).to(tl.float32)
-             * (x * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x_partner = (tl.load(weight + partner).to(tl.float32)
-                     * (x_partner * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cos_ptr + pos * D + i).to(dtype).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * D + i).to(dtype).to(tl.float32)
-    a = (x * cos).to(dtype).to(tl.float32)
-    b = ((sign * x_partner) * sin).to(dtype).to(tl.float32)
-    if PDL:
-        pdl.release()
-    tl.store(dst + i, (a + b).to(dtype))
+    if WRITE and h >= num_q_heads + num_k_heads:  # a value head: into the cache as it is
+        vh = h - num_q_heads - num_k_heads
+        v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + vh * stride_vh + i)
+        if PDL:
+            pdl.release()
+        row = tl.load(slot_ptr + t).to(tl.int64)
+        tl.store(value_ptr + (row * num_k_heads + vh) * D + i, v)
+    else:  # a head of q or k, rotated (k's into the cache too)
+        partner = (i + D // 2) % D  # rotate_half: (-x[D/2:], x[:D/2])
+        sign = tl.where(i < D // 2, -1.0, 1.0)
+        if h < num_q_heads:
+            src = q_ptr + t.to(tl.int64) * stride_qt + h * stride_qh
+            dst = q_out + (t.to(tl.int64) * num_q_heads + h) * D
+            weight = q_weight
+        else:
+            src = k_ptr + t.to(tl.int64) * stride_kt + (h - num_q_heads) * stride_kh
+            dst = k_out + (t.to(tl.int64) * num_k_heads + (h - num_q_heads)) * D
+            weight = k_weight
+        x = tl.load(src + i).to(tl.float32)
+        x_partner = tl.load(src + partner).to(tl.float32)
+        if NORM:  # rms_norm: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), in dtype
+            scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+            x = (tl.load(weight + i).to(tl.float32)
+                 * (x * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            x_partner = (tl.load(weight + partner).to(tl.float32)
+                         * (x_partner * scale).to(dtype).to(tl.float32)
+                         ).to(dtype).to(tl.float32)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        cos = tl.load(cos_ptr + pos * D + i).to(dtype).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * D + i).to(dtype).to(tl.float32)
+        a = (x * cos).to(dtype).to(tl.float32)
+        b = ((sign * x_partner) * sin).to(dtype).to(tl.float32)
+        if PDL:
+            pdl.release()
+        tl.store(dst + i, (a + b).to(dtype))
+        if WRITE and h >= num_q_heads:  # a key head: into the cache too
+            row = tl.load(slot_ptr + t).to(tl.int64)
+            tl.store(key_ptr + (row * num_k_heads + h - num_q_heads) * D + i,
+                     (a + b).to(dtype))
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -74,12 +93,24 @@ def takes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                                         and w.numel() == d for w in weights)))
 
 
+def writes(k: torch.Tensor, kv_write: tuple) -> bool:
+    """Can the kernel write the cache `kv_write` names (v, key, value, rows): v's heads
+    contiguous along a head, the cache tensors contiguous [rows, Hkv, D] in k's dtype."""
+    v, key, value, _ = kv_write
+    return (v.shape == k.shape and v.stride(-1) == 1 and v.dtype == key.dtype == value.dtype
+            == k.dtype and key.is_contiguous() and value.is_contiguous()
+            and key.shape[1:] == value.shape[1:] == k.shape[1:])
+
+
 def norm_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 positions: torch.Tensor,
                 weights: tuple[torch.Tensor, torch.Tensor] | None = None,
-                eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                eps: float = 0.0, kv_write: tuple | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k [T, Hkv, D] -> new contiguous tensors: each head RMSNormed by
-    `weights` (q's, k's) when given, then rotated by the tables' rows [positions]."""
+    `weights` (q's, k's) when given, then rotated by the tables' rows [positions].
+    `kv_write` (v [T, Hkv, D], the cache's key and value [rows, Hkv, D], rows [T]; where
+    `writes` allows): the rotated k and v are written to the cache's rows as well."""
     tokens, heads, d = q.shape
     k_heads = k.shape[1]
     q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), \
@@ -87,9 +118,11 @@ def norm_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     if tokens == 0:
         return q_out, k_out
     q_weight, k_weight = weights if weights is not None else (q_out, k_out)  # unused
-    _norm_rotate[(tokens, heads + k_heads)](
-        q, k, q_out, k_out, q_weight, k_weight, cos, sin, positions,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), heads, k_heads, float(eps),
-        D=d, NORM=weights is not None, **pdl.constants(q.device),
-        num_warps=1 if d <= 128 else 2)
+    v, key, value, rows = kv_write if kv_write is not None else (k, k_out, k_out, positions)
+    _norm_rotate[(tokens, heads + k_heads * (2 if kv_write is not None else 1))](
+        q, k, q_out, k_out, q_weight, k_weight, cos, sin, positions, v, key, value, rows,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        heads, k_heads, float(eps),
+        D=d, NORM=weights is not None, WRITE=kv_write is not None,
+        **pdl.constants(q.device), num_warps=1 if d <= 128 else 2)
     return q_out, k_out
