@@ -12,26 +12,25 @@ starts at the first rejected position and overwrites it. A finished request free
 slot, its blocks and its state rows at once.
 
 A decoding group can have a second window in flight (`ahead`), built while its first
-computes. A slot that carries no drafts in the first window is one token on in the second,
-its id carried over on the device from the first window's verification (WindowHeader
-carry_rows). A slot that carries drafts in the first cannot know where it goes on (which
-drafts pass decides that): with `hedge` it goes on in the second as a hedge, one token on
-from its last known one as if every draft failed, with the token at its first draft's
-position carried over (WindowHeader carry_first). If every draft fails, that is the
-slot's next step; if one passes, the hedge is void: its result is dropped at commit, and
-the KV it wrote is the accepted draft's again. Without `hedge` (or where no other slot goes
-on, or the layers keep per-slot state) it sits the second out. Either way it is back in
-the third, with its tokens known by then, and one slot's drafts never hold up the others'
-windows. A draft must gain more than `window_cost` (the window its slot may lose). A
-carried slot may draft in the second
-window too, after its token in flight: its proposers, asked on the context it has, guess
-that token with their draft's first token, and the window carries the rest after the
-carried one (only they count as gain; verification checks them against the real token,
-so a wrong guess costs acceptance, never fidelity). Where every slot of a window built
-ahead would draft on such a guess, none is built: the next window drafts on their real
-tokens, and no slot waits for it.
-If the first window ends a request (EOS, a stop id), the second window's entry for it is
-dropped at commit, like an aborted one's.
+computes. A slot that carries no drafts in the first window is one token on in the
+second, its id carried over on the device from the first window's verification
+(WindowHeader carry_rows). A slot that carries drafts in the first cannot know where it
+goes on (which drafts pass decides that): with `hedge` it goes on in the second as a
+hedge, one token on from its last known one as if every draft failed, with the token at
+its first draft's position carried over (WindowHeader carry_first). If every draft fails,
+that is the slot's next step; if one passes, the hedge is void: its result is dropped at
+commit, and the KV it wrote is the accepted draft's again. Without `hedge` (or where no
+other slot goes on, or the layers keep per-slot state) it sits the second out. Either way
+it is back in the third, with its tokens known by then, and one slot's drafts never hold
+up the others' windows. A draft must gain more than `window_cost` (the window its slot
+may lose). A carried slot may draft in the second window too, after its token in flight:
+its proposers, asked on the context it has, guess that token with their draft's first
+token, and the window carries the rest after the carried one (only they count as gain;
+verification checks them against the real token, so a wrong guess costs acceptance, never
+fidelity). Where every slot of a window built ahead would draft on such a guess, none is
+built: the next window drafts on their real tokens, and no slot waits for it. If the
+first window ends a request (EOS, a stop id), the second window's entry for it is dropped
+at commit, like an aborted one's.
 
 Allocation covers every kind of layer cache (kvcache/spec.py): KV blocks as a slot's
 sequence grows (counted by budget.py, which also says what happens when a pool smaller
@@ -461,7 +460,9 @@ class Scheduler:
                hedges: list[bool] | None = None) -> Window:
         """`ahead`: a window built ahead of the group's window in flight. Per entry, None
         (its tokens are known here) or (its entry in the window in flight, the tokens it
-        computes there): the entry is then the one token that window samples for it."""
+        computes there): the entry is then the one token that window samples for it.
+        `hedges`: per entry, is it a hedge (its entry in flight carries drafts: the token
+        it takes is the one at the first draft's position, `carry_first`)."""
         tokens, positions, rows, tables, sample_rows = [], [], [], [], []
         samples, verify, following, mtp_rows, mtp_lens = [], [], [], [], []
         starts, carry_rows, carry_from, carry_first, state_rows = [], [], [], [], []

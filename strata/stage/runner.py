@@ -134,11 +134,11 @@ class ModelRunner:
                                "none of that group's windows is in flight")
         if header.carry_first:  # hedges: the token at their entry's first draft position
             hedges = [(e, t) for e, t in zip(header.carry_from, header.carry_first) if t >= 0]
-            at, first = torch.tensor(hedges, dtype=decided.dtype).T.to(decided.device,
-                                                                       non_blocking=True)
+            at, first = torch.tensor(hedges, dtype=torch.long).T.to(decided.device,
+                                                                    non_blocking=True)
             accepted = launched.decided[0].index_select(0, at) > 0
-            decided = decided.index_copy(0, at, torch.where(accepted, first,
-                                                            decided.index_select(0, at)))
+            decided = decided.index_copy(0, at, torch.where(
+                accepted, first.to(decided.dtype), decided.index_select(0, at)))
         if decided_only:
             return decided
         n = header.num_tokens
