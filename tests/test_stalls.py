@@ -62,3 +62,37 @@ def test_cpu_stages_compute_is_never_counted_as_host_time(tiny_models):
                                                             ignore_eos=True))
     assert len(hosts) > 20 and min(hosts) >= 0, sorted(hosts)[:3]
     assert engine.stalls._mean > 0
+
+
+def test_a_collection_inside_a_launch_or_a_wait_counts_once(tiny_models, caplog):
+    """The collector runs where Python allocates, inside a launch or the wait for the
+    device too: its time is told apart from both, so launching, collecting and the rest of
+    a slow step add up to its host time (no negative rest)."""
+    import re
+
+    from strata.config import EngineConfig
+    from strata.engine.engine import Engine
+    from strata.sampling.params import SamplingParams
+
+    engine = Engine(EngineConfig(model=str(tiny_models["llama"][0]), parallel=2, spec=0))
+    junk = [[i] for i in range(300_000)]  # makes a full collection take tens of ms
+    submit, collect, calls = engine.runner.submit, engine.runner.collect, [0]
+
+    def collecting(method):
+        def call(*args):
+            calls[0] += 1
+            if calls[0] in (30, 45):  # once in a launch, once in a wait, mid-run
+                gc.collect()
+            return method(*args)
+        return call
+
+    engine.runner.submit, engine.runner.collect = collecting(submit), collecting(collect)
+    with caplog.at_level(logging.WARNING, logger="strata.engine"):
+        engine.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0, max_tokens=30,
+                                                              ignore_eos=True))
+    slow = [r.getMessage() for r in caplog.records if "a slow step" in r.getMessage()]
+    assert slow and len(junk) == 300_000
+    for message in slow:
+        rest = float(re.search(r"the rest \(committing, the server\) (-?[0-9]+) ms",
+                               message).group(1))
+        assert rest >= -1, message

@@ -57,6 +57,11 @@ class StallWatch:
         self._mean: float | None = None     # running mean host seconds of a step
         self.stalls = 0
 
+    def collected(self) -> float:
+        """Seconds the collector has run, all generations (to take out of a span of the
+        host's time that it fell in)."""
+        return sum(self.clock.seconds)
+
     def idle(self, now: float) -> None:
         """Nothing was in flight: the next step starts from this launch."""
         self._last, self._gc = now, list(self.clock.seconds)
@@ -64,7 +69,8 @@ class StallWatch:
     def committed(self, now: float, launch: float, wait: float) -> None:
         """A commit at `now`; the step's launching took `launch` seconds of the host's and
         its device `wait` (waiting for it, or its compute where the stages compute on the
-        host)."""
+        host), neither counting the collector's runs inside them (the caller takes those
+        out), so that launching, collecting and the rest add up to the step's host time."""
         gc_now = list(self.clock.seconds)
         if self._last is not None:
             seconds = now - self._last
