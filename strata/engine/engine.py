@@ -175,7 +175,7 @@ class Engine:
         """Send a window for each idle group with work: what step() starts with. A caller
         with work of its own per step (the server streaming tokens out) calls it right
         after step(), so that work overlaps the windows' compute."""
-        start, collected = time.perf_counter(), self.stalls.collected()
+        start, gc_before = time.perf_counter(), self.stalls.collected()
         while (window := self.scheduler.schedule()) is not None:
             self._submit(window, start)
         while (window := self.scheduler.schedule_ahead()) is not None:
@@ -183,7 +183,7 @@ class Engine:
         spent = time.perf_counter() - start
         self.scheduler_seconds += spent
         # The collector's runs inside the launch are told apart (StallWatch).
-        self._launching += spent - (self.stalls.collected() - collected)
+        self._launching += spent - (self.stalls.collected() - gc_before)
 
     def _submit(self, window, start: float) -> None:
         idle = self.runner.num_in_flight == 0
@@ -207,10 +207,10 @@ class Engine:
         start = time.perf_counter()
         if self.runner.num_in_flight == 0:
             return self.scheduler.take_failed()
-        collect, collected = time.perf_counter(), self.stalls.collected()
+        collect, gc_before = time.perf_counter(), self.stalls.collected()
         window, result = self.runner.collect()
         commit = time.perf_counter()
-        collected = self.stalls.collected() - collected  # host time inside the wait
+        gc_in_wait = self.stalls.collected() - gc_before  # host time inside the wait
         for stage, seconds in enumerate(result.stage_seconds):
             self.stage_seconds[stage] += seconds
         for stats, delta in zip(self.expert_stats, result.expert_stats):
@@ -227,7 +227,7 @@ class Engine:
         # The CPU stages' compute since the last commit (the windows launched in this
         # step, not the one collected: with windows built ahead they differ) is theirs.
         self.stalls.committed(commit, self._launching - self._computing,
-                              commit - collect - collected + self._computing)
+                              commit - collect - gc_in_wait + self._computing)
         self._launching = self._computing = 0.0
         updated = self.scheduler.commit(window, result.tokens, result.stage_drafts,
                                         result.errors, result.logprobs)

@@ -230,10 +230,9 @@ class Scheduler:
         in_last = {index: (e, request, count, drafted) for e, (index, request, count, drafted)
                    in enumerate(zip(header.slots, last.requests, header.query_lens,
                                     header.num_drafts))
-                   if not (last.hedges and last.hedges[e] and
-                           header.starts[e] != self.slots[index].num_computed)}
-        # (A hedge in flight that is void already, its drafts before it having passed,
-        # leaves its slot's tokens known here, as if it had sat that window out.)
+                   if not self._void_hedge(last, e)}
+        # (A hedge in flight that is void already leaves its slot's tokens known here, as
+        # if it had sat that window out.)
         budget = self.max_window_tokens
         entries: list[tuple[Slot, int]] = []
         ahead: list[tuple[int, int] | None] = []
@@ -281,6 +280,12 @@ class Scheduler:
             # it), or the pool is short (the next window finds room or makes it).
             return None
         return self._build(group, entries, ahead=ahead, hedges=hedges)
+
+    def _void_hedge(self, window: Window, entry: int) -> bool:
+        """Is the window's entry a hedge made void by a draft before it that passed (its
+        slot's committed length is past the hedge's start)?"""
+        return bool(window.hedges) and window.hedges[entry] and (
+            window.header.starts[entry] != self.slots[window.header.slots[entry]].num_computed)
 
     def _on_a_guess(self, slot: Slot, budget: int, window_tokens: int) -> int | None:
         """A carried slot's tokens in the window built ahead: the token in flight, then
@@ -572,8 +577,8 @@ class Scheduler:
             if slot.request is not request:  # aborted while the window was in flight
                 continue
             if window.hedges and window.hedges[entry_index]:
-                if header.starts[entry_index] != slot.num_computed:
-                    self.hedges_void += 1  # drafts before it passed: its result is stale
+                if self._void_hedge(window, entry_index):
+                    self.hedges_void += 1  # its result is stale: dropped
                     continue
                 self.hedges_taken += 1
             if error is not None:
