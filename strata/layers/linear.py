@@ -53,7 +53,12 @@ class WeightFormat:
 class Linear(nn.Module):
     """y = x W^T (+ b), with W [out, in] kept as its spec says: dense, or (the loader
     decides, from the file) a uint8 tensor of its GGUF blocks whose `qtype` names the
-    format, multiplied by strata/quant's kernels."""
+    format, multiplied by strata/quant's kernels. A dense weight multiplies windows of a
+    few tokens on CUDA with gemv_triton.py's kernel where it is faster than cuBLAS."""
+
+    # "torch" (F.linear), "triton" (gemv_triton.py, for windows of up to its MAX_TOKENS
+    # tokens) or "auto": triton for CUDA tensors where gemv_triton.takes them.
+    path = "auto"
 
     def __init__(self, in_features: int, out_features: int, bias: bool, spec: ParamSpec):
         super().__init__()
@@ -67,7 +72,18 @@ class Linear(nn.Module):
         if w.dtype == torch.uint8:
             y = quant.matmul(x, w, w.qtype)
             return y if self.bias is None else y + self.bias
+        if self._gemv(x, w):
+            from strata.layers import gemv_triton
+            return gemv_triton.gemv(x, w, self.bias)
         return F.linear(x, w, self.bias)
+
+    def _gemv(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Does gemv_triton's kernel multiply this window (see `path`)?"""
+        if self.path == "torch" or (self.path == "auto"
+                                    and not (x.is_cuda and quant.triton_available())):
+            return False
+        from strata.layers import gemv_triton
+        return gemv_triton.fits(x, w) if self.path == "triton" else gemv_triton.takes(x, w)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

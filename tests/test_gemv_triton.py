@@ -1,0 +1,137 @@
+"""strata/layers/gemv_triton.py (dense projections of 1-4 token windows as one Triton GEMV;
+in triton's interpreter here, see conftest.py) against F.linear: row lengths that do and
+do not fill its column steps, biases, strided inputs; the shapes it takes by default;
+whole engines give the same tokens with it; it compiles for SM86 and SM90 without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TRITON_TYPES, build_tiny, compile_kernel, offline_compiled, prompts
+
+from strata.config import EngineConfig
+from strata.engine.engine import Engine
+from strata.layers.linear import Linear, ParamSpec
+from strata.sampling.params import SamplingParams
+
+pytest.importorskip("triton")
+
+
+def operands(tokens: int, rows: int, cols: int, dtype, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    # x a view with a row stride past its length (as a slice of a wider activation)
+    x = torch.randn(tokens, cols + 8, generator=g)[:, :cols].to(dtype)
+    w = (torch.randn(rows, cols, generator=g) / cols ** 0.5).to(dtype)
+    b = torch.randn(rows, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,cols", [(37, 576), (64, 2048), (9, 4500), (130, 70)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_gemv_equals_the_matmul(dtype, rows, cols, bias):
+    """4500 columns: three steps of 2048, the last masked; 37 and 9 rows: a program's rows
+    past the weight's end; every window size 1-4."""
+    from strata.layers import gemv_triton
+    for tokens in range(1, gemv_triton.MAX_TOKENS + 1):
+        x, w, b = operands(tokens, rows, cols, dtype, bias, seed=tokens)
+        ours = gemv_triton.gemv(x, w, b)
+        assert ours.shape == (tokens, rows) and ours.dtype == dtype
+        exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+        # float32 sums rounded once to the dtype: within a step or two of it (triton's
+        # interpreter truncates float32 to bf16 where a GPU rounds to nearest)
+        step = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+        torch.testing.assert_close(ours.double(), exact, rtol=step, atol=step)
+
+
+def test_it_refuses_what_it_cannot_compute():
+    from strata.layers import gemv_triton
+    x, w, _ = operands(5, 8, 64, torch.float32, False)
+    with pytest.raises(ValueError, match="1 to 4 tokens"):
+        gemv_triton.gemv(x, w)
+    with pytest.raises(ValueError, match="weight's dtype"):
+        gemv_triton.gemv(x[:2], w.to(torch.bfloat16))
+    assert not gemv_triton.fits(x[:2].to(torch.int32), w.to(torch.int32))
+
+
+@pytest.mark.parametrize("tokens,rows,cols,takes", [
+    (1, 5120, 2048, True),     # a 30B MoE's qkv
+    (2, 2048, 4096, True),     # its o_proj
+    (1, 151936, 2048, True),   # its lm_head
+    (1, 49152, 576, False),    # the default model's lm_head: cuBLAS was faster
+    (2, 960, 576, True),       # the default model's qkv ...
+    (4, 960, 576, True),       # ... with drafts too: a small weight
+    (4, 5120, 2048, False),    # 4 tokens of a large weight: cuBLAS
+    (5, 960, 576, False),      # past MAX_TOKENS
+])
+def test_it_takes_the_shapes_where_it_was_faster(tokens, rows, cols, takes):
+    from strata.layers import gemv_triton
+    x = torch.empty(tokens, cols, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(rows, cols, dtype=torch.bfloat16, device="meta")
+    assert gemv_triton.takes(x, w) == takes
+    assert not gemv_triton.takes(x.float(), w.float())  # float32: cuBLAS by default
+
+
+def test_linear_runs_it_where_its_path_says(monkeypatch):
+    from strata.layers import gemv_triton
+    linear = Linear(64, 24, True, ParamSpec())
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(24, 64))
+        linear.bias.copy_(torch.randn(24))
+    x = torch.randn(3, 64)
+    ref = F.linear(x, linear.weight, linear.bias)
+    called = []
+    real = gemv_triton.gemv
+    monkeypatch.setattr(gemv_triton, "gemv", lambda *a: called.append(a[0].shape[0]) or real(*a))
+    torch.testing.assert_close(linear(x), ref)  # "auto" on CPU tensors: F.linear
+    monkeypatch.setattr(Linear, "path", "triton")
+    torch.testing.assert_close(linear(x), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(torch.randn(9, 64)).shape, (9, 24))  # a prompt: F.linear
+    assert called == [3]
+
+
+def test_engines_give_the_same_tokens_with_it(tmp_path, monkeypatch):
+    """A tiny llama with q/k/v biases, the triton attention backend, one request at a time
+    with up to 3 drafts: windows of 1-4 tokens go through the kernel (every projection and
+    the lm_head), prompts do not."""
+    from strata.layers import gemv_triton
+    folder = tmp_path / "llama"
+    model = build_tiny("llama", folder, attention_bias=True)
+    batch = prompts(3, model.config.vocab_size, seed=7, low=5, high=30)
+    batch[0] = batch[0][:5] * 4  # repeats: the lookup proposer drafts
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = Engine(EngineConfig(model=str(folder), attention_backend="triton", parallel=1,
+                                 spec=3, max_context=96, max_window_tokens=48))
+    monkeypatch.setattr(Linear, "path", "torch")
+    ref = engine.generate(batch, params)
+    called = []
+    real = gemv_triton.gemv
+    monkeypatch.setattr(gemv_triton, "gemv",
+                        lambda x, w, b=None: called.append(b is not None) or real(x, w, b))
+    monkeypatch.setattr(Linear, "path", "triton")
+    assert engine.generate(batch, params) == ref
+    assert any(called) and not all(called)  # biased q/k/v and unbiased o, MLP, lm_head
+
+
+def _compile(arch: int, dtype, tokens: int, cols: int) -> int:
+    from strata.layers import gemv_triton
+
+    def types(name: str) -> str:
+        return "*" + TRITON_TYPES[dtype] if name.endswith("_ptr") else "i32"
+
+    kernel = compile_kernel(gemv_triton._gemv, arch, dict(
+        TOKENS=tokens, T_PAD=triton_next_power_of_2(tokens), HAS_BIAS=True,
+        **gemv_triton.constants(cols)), types, dict(num_warps=4, num_stages=3))
+    return kernel.metadata.shared
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def test_the_kernel_compiles_for_rtx3090_and_h200(tmp_path):
+    code = ("import torch; from test_gemv_triton import _compile\n"
+            "print(*[_compile(arch, t, n, c) for t in (torch.bfloat16, torch.float16)"
+            " for n in (1, 4) for c in (576, 4096)])")
+    assert len(offline_compiled(code, tmp_path)) == 16
