@@ -32,6 +32,7 @@ layers, whose state rolls back under drafts) checkpoints with transformers, then
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
@@ -45,6 +46,9 @@ from test_qwen3_next import build_qwen3_next  # noqa: E402
 from strata.bench.report import commit, machine, markdown_table  # noqa: E402
 from strata.config import EngineConfig  # noqa: E402
 from strata.engine.engine import Engine  # noqa: E402
+from strata.layers.linear import Linear  # noqa: E402
+from strata.layers.norm import RMSNorm  # noqa: E402
+from strata.layers.rotary import RotaryEmbedding  # noqa: E402
 from strata.sampling.params import SamplingParams  # noqa: E402
 
 KINDS = ("llama", "qwen3", "qwen3_moe", "qwen3_next")
@@ -297,9 +301,25 @@ def moe_fused(device: torch.device) -> list[list[str]]:
     return rows
 
 
+@contextlib.contextmanager
+def pytorch_paths():
+    """Projections, norms and rotations through PyTorch (the reference) inside, not
+    strata/layers' Triton kernels."""
+    classes = (Linear, RMSNorm, RotaryEmbedding)
+    saved = [c.path for c in classes]
+    for c in classes:
+        c.path = "torch"
+    try:
+        yield
+    finally:
+        for c, path in zip(classes, saved):
+            c.path = path
+
+
 def fast_path(model: str, devices: tuple[str, ...]) -> list[str]:
-    """The triton backend's bf16 logits against the reference backend's; greedy tokens of
-    graph replays against eager windows (both triton), with drafts."""
+    """The triton backend's bf16 logits against the reference backend's (with PyTorch's
+    norms, rotation and projections: `pytorch_paths`); greedy tokens of graph replays
+    against eager windows (both triton), with drafts."""
     common = dict(model=model, devices=devices, dtype="bf16", max_context=512, parallel=4)
     engines = {name: Engine(EngineConfig(**common, attention_backend=name, cuda_graphs="off",
                                          compile="off" if name == "reference" else "on"))
@@ -308,7 +328,8 @@ def fast_path(model: str, devices: tuple[str, ...]) -> list[str]:
     batch = prompts(4, vocab, seed=5, low=20, high=200)
     errors = []
     for ids in batch:
-        ref = engines["reference"].score(ids).float()
+        with pytorch_paths():
+            ref = engines["reference"].score(ids).float()
         ours = engines["triton"].score(ids).float()
         errors.append(((ours - ref).abs().max() / ref.abs().max()).item())
     greedy = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)

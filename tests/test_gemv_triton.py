@@ -45,6 +45,21 @@ def test_the_gemv_equals_the_matmul(dtype, rows, cols, bias):
         torch.testing.assert_close(ours.double(), exact, rtol=step, atol=step)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gated_gemv_equals_silu_mul_then_the_matmul(dtype):
+    """A gated MLP's down projection: x is [T, 2K], gate and up, multiplied as
+    silu(gate) * up, rounded where fused.silu_mul rounds."""
+    from strata.layers import gemv_triton
+    from strata.layers.fused import silu_mul
+    for tokens in (1, 3):
+        gate_up, w, _ = operands(tokens, 24, 2 * 1536, dtype, False, seed=tokens)
+        w = w[:, :1536].contiguous()
+        ours = gemv_triton.gemv(gate_up, w, gated=True)
+        ref = F.linear(silu_mul(gate_up).double(), w.double())
+        step = 1e-5 if dtype == torch.float32 else 3.2e-2  # bf16: roundings twice truncated
+        torch.testing.assert_close(ours.double(), ref, rtol=step, atol=step)
+
+
 def test_it_refuses_what_it_cannot_compute():
     from strata.layers import gemv_triton
     x, w, _ = operands(5, 8, 64, torch.float32, False)
@@ -93,8 +108,8 @@ def test_linear_runs_it_where_its_path_says(monkeypatch):
 
 def test_engines_give_the_same_tokens_with_it(tmp_path, monkeypatch):
     """A tiny llama with q/k/v biases, the triton attention backend, one request at a time
-    with up to 3 drafts: windows of 1-4 tokens go through the kernel (every projection and
-    the lm_head), prompts do not."""
+    with up to 3 drafts: windows of 1-4 tokens go through the kernel (every projection, the
+    MLP's down projection gated, and the lm_head), prompts do not."""
     from strata.layers import gemv_triton
     folder = tmp_path / "llama"
     model = build_tiny("llama", folder, attention_bias=True)
@@ -107,11 +122,12 @@ def test_engines_give_the_same_tokens_with_it(tmp_path, monkeypatch):
     ref = engine.generate(batch, params)
     called = []
     real = gemv_triton.gemv
-    monkeypatch.setattr(gemv_triton, "gemv",
-                        lambda x, w, b=None: called.append(b is not None) or real(x, w, b))
+    monkeypatch.setattr(gemv_triton, "gemv", lambda x, w, b=None, gated=False: called.append(
+        "gated" if gated else b is not None) or real(x, w, b, gated))
     monkeypatch.setattr(Linear, "path", "triton")
     assert engine.generate(batch, params) == ref
-    assert any(called) and not all(called)  # biased q/k/v and unbiased o, MLP, lm_head
+    # biased q/k/v, unbiased o, gate_up and lm_head, the gated down projection
+    assert set(called) == {True, False, "gated"}
 
 
 def _compile(arch: int, dtype, tokens: int, cols: int) -> int:

@@ -8,7 +8,8 @@ and the one after cannot overlap its start and end (strata/layers/pdl.py). This 
 a programmatic dependent launch like Strata's other kernels: program i owns BLOCK_N rows
 of W and walks them BLOCK_K columns a step, each token's products summed in float32 and
 rounded once to the output dtype, the bias (if any) added before that rounding as cuBLAS's
-epilogue does. Measured on the H200 (benchmarks/README.md): 5.1 us for that o_proj, 1.5
+epilogue does. A gated MLP's down projection takes its input's silu(gate) * up as it
+loads it, where PyTorch takes a launch of its own. Measured on the H200 (benchmarks/README.md): 5.1 us for that o_proj, 1.5
 for that down_proj.
 
 `takes` says where it runs by default (`Linear.path` "auto"): CUDA, bf16 or fp16, and the
@@ -36,7 +37,8 @@ DTYPES = (torch.bfloat16, torch.float16)  # "auto"'s; the kernel also takes floa
 def _gemv(x_ptr, w_ptr, b_ptr, out_ptr,            # [T, K], [N, K], [N], [T, N]
           num_rows, num_cols, stride_xt, stride_w, stride_ot,
           TOKENS: tl.constexpr, T_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+          BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+          PDL: tl.constexpr):
     if PDL:
         pdl.wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -50,7 +52,14 @@ def _gemv(x_ptr, w_ptr, b_ptr, out_ptr,            # [T, K], [N, K], [N], [T, N]
         w = tl.load(w_ptr + row_start[:, None] + k[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         for token in tl.static_range(TOKENS):
-            x = tl.load(x_ptr + token * stride_xt + k, mask=k_ok, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + token * stride_xt + k, mask=k_ok, other=0.0)
+            if GATED:  # x is silu(gate) * up, gate and up the halves of x's row, each
+                # rounded as fused.silu_mul rounds
+                up = tl.load(x_ptr + token * stride_xt + num_cols + k, mask=k_ok, other=0.0)
+                gate = x.to(tl.float32)
+                x = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+                x = (x.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+            x = x.to(tl.float32)
             y = tl.sum(w * x[None, :], axis=1)                                 # [BLOCK_N]
             acc = tl.where(t[:, None] == token, acc + y[None, :], acc)
     if PDL:
@@ -84,11 +93,12 @@ def constants(cols: int) -> dict:
                 BLOCK_K=min(2048, triton.next_power_of_2(cols)))
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-         ) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         gated: bool = False) -> torch.Tensor:
     """x [T, K] (1 <= T <= MAX_TOKENS) @ weight [N, K].T (+ bias [N]) -> [T, N] in x's
-    dtype; x, weight and bias of one float dtype."""
-    tokens, cols = x.shape
+    dtype; x, weight and bias of one float dtype. `gated`: x is [T, 2K], gate and up, and
+    the product is of silu(gate) * up (a gated MLP's down projection)."""
+    tokens, cols = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     rows = weight.shape[0]
     if not fits(x, weight) or weight.shape[1] != cols:
         raise ValueError(f"gemv takes 1 to {MAX_TOKENS} tokens of the weight's dtype and row "
@@ -103,6 +113,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv[(triton.cdiv(rows, sizes["BLOCK_N"]),)](
         x, weight, bias if bias is not None else out, out, rows, cols, x.stride(0),
         weight.stride(0), out.stride(0), TOKENS=tokens,
-        T_PAD=triton.next_power_of_2(tokens), HAS_BIAS=bias is not None, **sizes,
+        T_PAD=triton.next_power_of_2(tokens), HAS_BIAS=bias is not None, GATED=gated, **sizes,
         **pdl.constants(x.device), num_warps=4)
     return out

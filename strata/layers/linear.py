@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata import quant
+from strata.layers.fused import silu_mul
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,15 @@ class Linear(nn.Module):
             from strata.layers import gemv_triton
             return gemv_triton.gemv(x, w, self.bias)
         return F.linear(x, w, self.bias)
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """This projection of silu(gate) * up, gate_up [T, 2 in] holding the two halves: one
+        kernel where gemv_triton's takes the window, else silu_mul's and then the product."""
+        w = self.weight
+        if w.dtype != torch.uint8 and self._gemv(gate_up, w):
+            from strata.layers import gemv_triton
+            return gemv_triton.gemv(gate_up, w, self.bias, gated=True)
+        return self(silu_mul(gate_up))
 
     def _gemv(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """Does gemv_triton's kernel multiply this window (see `path`)?"""

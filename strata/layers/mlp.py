@@ -1,10 +1,11 @@
 """The gated (SwiGLU) feed-forward block of llama-family models: one GEMM for gate and
-up (`gate_up_proj`, the checkpoint's gate_proj and up_proj stacked by rows when loaded)."""
+up (`gate_up_proj`, the checkpoint's gate_proj and up_proj stacked by rows when loaded);
+the down projection takes their silu(gate) * up (Linear.gated: in its own kernel where it
+can)."""
 
 import torch
 from torch import nn
 
-from strata.layers.fused import silu_mul
 from strata.layers.linear import LinearFactory
 
 
@@ -16,4 +17,4 @@ class GatedMLP(nn.Module):
         self.down_proj = linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, h]
+        return self.down_proj.gated(self.gate_up_proj(x))  # [T, 2I] -> (silu * up) -> [T, h]
