@@ -106,6 +106,12 @@ class EngineConfig:
         "launch as programmatic dependents, each one's programs starting while the kernel "
         "before it finishes (elsewhere they launch plainly); off: plain launches",
         choices=("on", "off")))
+    layer_kernels: str = field(default="triton", metadata=_opt(
+        "triton: on CUDA with triton, RMSNorm (with the residual add before it) and dense "
+        "projections of windows of up to 64 tokens, where an H200 measured them faster than "
+        "cuBLAS, run as Strata's Triton kernels (strata/layers/norm_triton.py, "
+        "gemv_triton.py); torch: torch.compile's norms (with --compile on) and cuBLAS",
+        choices=("triton", "torch")))
     schedule_ahead: str = field(default="auto", metadata=_opt(
         "while a group's window computes, build and launch its next one, the input tokens "
         "of its slots without drafts taken from the last window on the device (slots with "

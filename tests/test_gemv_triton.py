@@ -31,10 +31,11 @@ def operands(tokens: int, rows: int, cols: int, dtype, bias: bool, seed: int = 0
 @pytest.mark.parametrize("rows,cols", [(37, 576), (64, 2048), (9, 4500), (130, 70)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_gemv_equals_the_matmul(dtype, rows, cols, bias):
-    """4500 columns: three steps of 2048, the last masked; 37 and 9 rows: a program's rows
-    past the weight's end; every window size 1-4."""
+    """4500 columns: three steps of 2048 (or 36 of 128), the last masked; 37, 9 and 130
+    rows: a program's rows past the weight's end; every window size of the GEMV (1-4) and
+    some of the GEMM (5, 16, 37, 64: tiles of 16, 16, 64, 64 tokens)."""
     from strata.layers import gemv_triton
-    for tokens in range(1, gemv_triton.MAX_TOKENS + 1):
+    for tokens in (1, 2, 3, 4, 5, 16, 37, 64):
         x, w, b = operands(tokens, rows, cols, dtype, bias, seed=tokens)
         ours = gemv_triton.gemv(x, w, b)
         assert ours.shape == (tokens, rows) and ours.dtype == dtype
@@ -51,7 +52,7 @@ def test_the_gated_gemv_equals_silu_mul_then_the_matmul(dtype):
     silu(gate) * up, rounded where fused.silu_mul rounds."""
     from strata.layers import gemv_triton
     from strata.layers.fused import silu_mul
-    for tokens in (1, 3):
+    for tokens in (1, 3, 9):
         gate_up, w, _ = operands(tokens, 24, 2 * 1536, dtype, False, seed=tokens)
         w = w[:, :1536].contiguous()
         ours = gemv_triton.gemv(gate_up, w, gated=True)
@@ -62,8 +63,8 @@ def test_the_gated_gemv_equals_silu_mul_then_the_matmul(dtype):
 
 def test_it_refuses_what_it_cannot_compute():
     from strata.layers import gemv_triton
-    x, w, _ = operands(5, 8, 64, torch.float32, False)
-    with pytest.raises(ValueError, match="1 to 4 tokens"):
+    x, w, _ = operands(65, 8, 64, torch.float32, False)
+    with pytest.raises(ValueError, match="1 to 64 tokens"):
         gemv_triton.gemv(x, w)
     with pytest.raises(ValueError, match="weight's dtype"):
         gemv_triton.gemv(x[:2], w.to(torch.bfloat16))
@@ -77,8 +78,11 @@ def test_it_refuses_what_it_cannot_compute():
     (1, 49152, 576, False),    # the default model's lm_head: cuBLAS was faster
     (2, 960, 576, True),       # the default model's qkv ...
     (4, 960, 576, True),       # ... with drafts too: a small weight
+    (36, 3072, 576, True),     # ... 4 slots with 8 drafts each: the GEMM
+    (16, 576, 1536, False),    # ... but for rows longer than the sweep's (its down_proj)
     (4, 5120, 2048, False),    # 4 tokens of a large weight: cuBLAS
-    (5, 960, 576, False),      # past MAX_TOKENS
+    (16, 5120, 2048, False),
+    (65, 960, 576, False),     # past MAX_TOKENS
 ])
 def test_it_takes_the_shapes_where_it_was_faster(tokens, rows, cols, takes):
     from strata.layers import gemv_triton
@@ -86,6 +90,9 @@ def test_it_takes_the_shapes_where_it_was_faster(tokens, rows, cols, takes):
     w = torch.empty(rows, cols, dtype=torch.bfloat16, device="meta")
     assert gemv_triton.takes(x, w) == takes
     assert not gemv_triton.takes(x.float(), w.float())  # float32: cuBLAS by default
+    gate_up = torch.empty(tokens, 2 * cols, dtype=torch.bfloat16, device="meta")
+    # a gated input beyond the GEMV's 4 tokens: silu_mul first (the GEMM was slower)
+    assert gemv_triton.takes(gate_up, w, gated=True) == (takes and tokens <= 4)
 
 
 def test_linear_runs_it_where_its_path_says(monkeypatch):
@@ -102,32 +109,33 @@ def test_linear_runs_it_where_its_path_says(monkeypatch):
     torch.testing.assert_close(linear(x), ref)  # "auto" on CPU tensors: F.linear
     monkeypatch.setattr(Linear, "path", "triton")
     torch.testing.assert_close(linear(x), ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(linear(torch.randn(9, 64)).shape, (9, 24))  # a prompt: F.linear
+    torch.testing.assert_close(linear(torch.randn(70, 64)).shape, (70, 24))  # a prompt: F.linear
     assert called == [3]
 
 
 def test_engines_give_the_same_tokens_with_it(tmp_path, monkeypatch):
-    """A tiny llama with q/k/v biases, the triton attention backend, one request at a time
-    with up to 3 drafts: windows of 1-4 tokens go through the kernel (every projection, the
-    MLP's down projection gated, and the lm_head), prompts do not."""
+    """A tiny llama with q/k/v biases, the triton attention backend, two requests at a time
+    with up to 3 drafts: windows of 1-8 tokens go through the kernels (every projection,
+    the MLP's down projection gated, and the lm_head), prompts do not."""
     from strata.layers import gemv_triton
     folder = tmp_path / "llama"
     model = build_tiny("llama", folder, attention_bias=True)
     batch = prompts(3, model.config.vocab_size, seed=7, low=5, high=30)
     batch[0] = batch[0][:5] * 4  # repeats: the lookup proposer drafts
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    engine = Engine(EngineConfig(model=str(folder), attention_backend="triton", parallel=1,
+    engine = Engine(EngineConfig(model=str(folder), attention_backend="triton", parallel=2,
                                  spec=3, max_context=96, max_window_tokens=48))
     monkeypatch.setattr(Linear, "path", "torch")
     ref = engine.generate(batch, params)
     called = []
     real = gemv_triton.gemv
     monkeypatch.setattr(gemv_triton, "gemv", lambda x, w, b=None, gated=False: called.append(
-        "gated" if gated else b is not None) or real(x, w, b, gated))
+        "gated" if gated else "gemm" if x.shape[0] > 4 else b is not None) or real(x, w, b, gated))
     monkeypatch.setattr(Linear, "path", "triton")
     assert engine.generate(batch, params) == ref
-    # biased q/k/v, unbiased o, gate_up and lm_head, the gated down projection
-    assert set(called) == {True, False, "gated"}
+    # biased q/k/v, unbiased o, gate_up and lm_head, the gated down projection; windows
+    # of 5-8 tokens
+    assert set(called) == {True, False, "gated", "gemm"}
 
 
 def _compile(arch: int, dtype, tokens: int, cols: int) -> int:
@@ -136,9 +144,16 @@ def _compile(arch: int, dtype, tokens: int, cols: int) -> int:
     def types(name: str) -> str:
         return "*" + TRITON_TYPES[dtype] if name.endswith("_ptr") else "i32"
 
-    kernel = compile_kernel(gemv_triton._gemv, arch, dict(
-        TOKENS=tokens, T_PAD=triton_next_power_of_2(tokens), HAS_BIAS=True,
-        **gemv_triton.constants(cols)), types, dict(num_warps=4, num_stages=3))
+    if tokens > gemv_triton.ROW_TOKENS:
+        kernel = compile_kernel(gemv_triton._gemm, arch, dict(
+            BLOCK_M=max(16, triton_next_power_of_2(tokens)), BLOCK_N=gemv_triton.GEMM_ROWS,
+            BLOCK_K=gemv_triton.GEMM_COLS, HAS_BIAS=True, GATED=cols == 576, DOT_FP32=False),
+            types, dict(num_warps=4, num_stages=3))
+    else:
+        kernel = compile_kernel(gemv_triton._gemv, arch, dict(
+            TOKENS=tokens, T_PAD=triton_next_power_of_2(tokens), HAS_BIAS=True,
+            GATED=cols == 576, **gemv_triton.constants(cols)), types,
+            dict(num_warps=4, num_stages=3))
     return kernel.metadata.shared
 
 
@@ -149,5 +164,21 @@ def triton_next_power_of_2(n: int) -> int:
 def test_the_kernel_compiles_for_rtx3090_and_h200(tmp_path):
     code = ("import torch; from test_gemv_triton import _compile\n"
             "print(*[_compile(arch, t, n, c) for t in (torch.bfloat16, torch.float16)"
-            " for n in (1, 4) for c in (576, 4096)])")
-    assert len(offline_compiled(code, tmp_path)) == 16
+            " for n in (1, 4, 36, 64) for c in (576, 4096)])")
+    assert len(offline_compiled(code, tmp_path)) == 32
+
+
+def test_layer_kernels_choose_the_paths_of_a_cuda_stages_process(monkeypatch):
+    """--layer-kernels torch sends a CUDA stage's norms and projections to PyTorch, triton
+    back to "auto"; a CPU stage leaves them as they are."""
+    from strata.layers import pdl
+    from strata.layers.norm import RMSNorm
+    from strata.stage.stage import choose_kernels
+    for name, cls in (("path", Linear), ("path", RMSNorm), ("enabled", pdl)):
+        monkeypatch.setattr(cls, name, getattr(cls, name))
+    choose_kernels(torch.device("cuda"), False, "torch")
+    assert Linear.path == RMSNorm.path == "torch" and not pdl.enabled
+    choose_kernels(torch.device("cpu"), True, "triton")
+    assert Linear.path == RMSNorm.path == "torch" and not pdl.enabled
+    choose_kernels(torch.device("cuda"), True, "triton")
+    assert Linear.path == RMSNorm.path == "auto" and pdl.enabled

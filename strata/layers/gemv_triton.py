@@ -1,4 +1,4 @@
-"""Dense projections of windows of 1-4 tokens as one Triton GEMV (y = x W^T + b).
+"""Dense projections of windows of 1-64 tokens as one Triton kernel (y = x W^T + b).
 
 A decoding window multiplies one token (a few with drafts) by each weight: the product is
 a read of the weight, and on a GPU the fixed cost of a small kernel. cuBLAS's GEMV of a
@@ -12,9 +12,15 @@ epilogue does. A gated MLP's down projection takes its input's silu(gate) * up a
 loads it, where PyTorch takes a launch of its own. Measured on the H200 (benchmarks/README.md): 5.1 us for that o_proj, 1.5
 for that down_proj.
 
-`takes` says where it runs by default (`Linear.path` "auto"): CUDA, bf16 or fp16, and the
-shapes where it measured faster than cuBLAS: 1-2 tokens but for short rows of a wide
-weight (the default model's lm_head, 49152 x 576), 3-4 tokens for small weights only.
+Windows of 5-64 tokens (decoding slots with their drafts) take `_gemm` instead: the same
+walk, every token at once on the tensor cores; it beats cuBLAS on small weights only
+(the default model's: 2.7-4.0 us against 4.0-5.5 at 8-36 tokens).
+
+`takes` says where they run by default (`Linear.path` "auto"): CUDA, bf16 or fp16, and the
+shapes where they measured faster than cuBLAS: 1-2 tokens but for short rows of a wide
+weight (the default model's lm_head, 49152 x 576), 3-4 tokens of weights up to 2^20
+values, 5-64 tokens of weights up to 2^21 values with rows of up to 1024 (the row length
+swept; not a gated input, which was 1.5-3x slower than silu_mul then cuBLAS).
 
 NOTE: importing this module imports triton; strata/layers/linear.py imports it only on the
 path that runs it. Nothing here syncs with the host or allocates by data (CUDA graphs).
@@ -28,7 +34,8 @@ import triton.language as tl
 
 from strata.layers import pdl
 
-MAX_TOKENS = 4
+ROW_TOKENS = 4   # windows of up to this many tokens: _gemv; larger ones: _gemm
+MAX_TOKENS = 64
 DTYPES = (torch.bfloat16, torch.float16)  # "auto"'s; the kernel also takes float32
 
 
@@ -53,12 +60,9 @@ def _gemv(x_ptr, w_ptr, b_ptr, out_ptr,            # [T, K], [N, K], [N], [T, N]
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         for token in tl.static_range(TOKENS):
             x = tl.load(x_ptr + token * stride_xt + k, mask=k_ok, other=0.0)
-            if GATED:  # x is silu(gate) * up, gate and up the halves of x's row, each
-                # rounded as fused.silu_mul rounds
-                up = tl.load(x_ptr + token * stride_xt + num_cols + k, mask=k_ok, other=0.0)
-                gate = x.to(tl.float32)
-                x = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-                x = (x.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+            if GATED:  # x is silu(gate) * up, gate and up the halves of x's row
+                x = _silu_mul(x, tl.load(x_ptr + token * stride_xt + num_cols + k, mask=k_ok,
+                                         other=0.0))
             x = x.to(tl.float32)
             y = tl.sum(w * x[None, :], axis=1)                                 # [BLOCK_N]
             acc = tl.where(t[:, None] == token, acc + y[None, :], acc)
@@ -70,20 +74,70 @@ def _gemv(x_ptr, w_ptr, b_ptr, out_ptr,            # [T, K], [N, K], [N], [T, N]
              acc.to(out_ptr.dtype.element_ty), mask=(t < TOKENS)[:, None] & row_ok[None, :])
 
 
+@triton.jit
+def _silu_mul(gate, up):
+    """silu(gate) * up, each rounded to up's dtype as fused.silu_mul rounds."""
+    g = gate.to(tl.float32)
+    x = (g / (1.0 + tl.exp(-g))).to(up.dtype)
+    return (x.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+
+
+# NOTE: the window's size changes with every call: not specialised on (BLOCK_M is).
+@triton.jit(do_not_specialize=["num_tokens"])
+def _gemm(x_ptr, w_ptr, b_ptr, out_ptr,            # [T, K], [N, K], [N], [T, N]
+          num_tokens, num_rows, num_cols, stride_xt, stride_w, stride_ot,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          HAS_BIAS: tl.constexpr, GATED: tl.constexpr, DOT_FP32: tl.constexpr,
+          PDL: tl.constexpr):
+    """Windows of 5..MAX_DOT_TOKENS tokens: program i multiplies every token by BLOCK_N rows
+    of W, BLOCK_K columns a step, on the tensor cores (float32 sums)."""
+    if PDL:
+        pdl.wait()
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < num_rows
+    row_start = tl.where(row_ok, rows, 0).to(tl.int64) * stride_w
+    t = tl.arange(0, BLOCK_M)
+    t_ok = t < num_tokens
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, num_cols, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < num_cols
+        x_at = x_ptr + t[:, None].to(tl.int64) * stride_xt + k[None, :]
+        x_ok = t_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_at, mask=x_ok, other=0.0)                             # [M, BLOCK_K]
+        if GATED:
+            x = _silu_mul(x, tl.load(x_at + num_cols, mask=x_ok, other=0.0))
+        w = tl.load(w_ptr + row_start[None, :] + k[:, None],
+                    mask=k_ok[:, None] & row_ok[None, :], other=0.0)        # [BLOCK_K, N]
+        if DOT_FP32:  # NOTE: triton's interpreter multiplies bf16 dot operands wrongly
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    if PDL:
+        pdl.release()
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + t[:, None].to(tl.int64) * stride_ot + rows[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & row_ok[None, :])
+
+
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Can this kernel compute `x @ weight.T`: 1 to MAX_TOKENS tokens, one float dtype?"""
+    """Can these kernels compute `x @ weight.T`: 1 to MAX_TOKENS tokens, one float dtype?"""
     return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_TOKENS and x.dtype == weight.dtype
             and x.dtype.is_floating_point)
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Does it by default: where it measured faster than cuBLAS?"""
+def takes(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    """Do they by default: where they measured faster than cuBLAS? (`gated`: x holds gate
+    and up; windows of more than ROW_TOKENS tokens then take silu_mul's kernel first.)"""
     if not fits(x, weight) or x.dtype not in DTYPES:
         return False
     tokens, (rows, cols) = x.shape[0], weight.shape
     if tokens <= 2:
         return cols >= 1024 or rows <= 16384
-    return rows * cols <= 1 << 20
+    if tokens <= ROW_TOKENS:
+        return rows * cols <= 1 << 20
+    return not gated and rows * cols <= 1 << 21 and cols <= 1024
 
 
 def constants(cols: int) -> dict:
@@ -91,6 +145,9 @@ def constants(cols: int) -> dict:
     rows, 512-2048 columns and 4-8 warps: benchmarks/README.md)."""
     return dict(BLOCK_N=2 if cols >= 2048 else 4,
                 BLOCK_K=min(2048, triton.next_power_of_2(cols)))
+
+
+GEMM_ROWS, GEMM_COLS = 16, 128  # _gemm's tile of W (an H200 sweep: benchmarks/README.md)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -109,6 +166,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     out = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
+    if tokens > ROW_TOKENS:
+        _gemm[(triton.cdiv(rows, GEMM_ROWS),)](
+            x, weight, bias if bias is not None else out, out, tokens, rows, cols, x.stride(0),
+            weight.stride(0), out.stride(0), BLOCK_M=max(16, triton.next_power_of_2(tokens)),
+            BLOCK_N=GEMM_ROWS, BLOCK_K=GEMM_COLS, HAS_BIAS=bias is not None, GATED=gated,
+            DOT_FP32=x.dtype == torch.float32 or x.device.type != "cuda",
+            **pdl.constants(x.device), num_warps=4)
+        return out
     sizes = constants(cols)
     _gemv[(triton.cdiv(rows, sizes["BLOCK_N"]),)](
         x, weight, bias if bias is not None else out, out, rows, cols, x.stride(0),

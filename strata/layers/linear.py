@@ -82,18 +82,19 @@ class Linear(nn.Module):
         """This projection of silu(gate) * up, gate_up [T, 2 in] holding the two halves: one
         kernel where gemv_triton's takes the window, else silu_mul's and then the product."""
         w = self.weight
-        if w.dtype != torch.uint8 and self._gemv(gate_up, w):
+        if w.dtype != torch.uint8 and self._gemv(gate_up, w, gated=True):
             from strata.layers import gemv_triton
             return gemv_triton.gemv(gate_up, w, self.bias, gated=True)
         return self(silu_mul(gate_up))
 
-    def _gemv(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+    def _gemv(self, x: torch.Tensor, w: torch.Tensor, gated: bool = False) -> bool:
         """Does gemv_triton's kernel multiply this window (see `path`)?"""
         if self.path == "torch" or (self.path == "auto"
                                     and not (x.is_cuda and quant.triton_available())):
             return False
         from strata.layers import gemv_triton
-        return gemv_triton.fits(x, w) if self.path == "triton" else gemv_triton.takes(x, w)
+        return (gemv_triton.fits(x, w) if self.path == "triton"
+                else gemv_triton.takes(x, w, gated))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

@@ -23,8 +23,9 @@ from strata.kvcache.cache import Cache, HostBlocks, PagedKVCache, SlotStateCache
 from strata.kvcache.spec import CacheSize
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.fused import enable_compile
-from strata.layers.linear import LinearFactory, WeightFormat
+from strata.layers.linear import Linear, LinearFactory, WeightFormat
 from strata.layers.moe import GroupedExperts
+from strata.layers.norm import RMSNorm
 from strata.layers.state_meta import StateMeta
 from strata.layers.rotary import RotaryEmbedding
 from strata.models.registry import Architecture, get_architecture
@@ -38,6 +39,16 @@ from strata.weights.loader import LoadStats, load_module
 log = logging.getLogger("strata.engine")
 
 REPORT = 1 + len(ExpertStats.names())  # numbers in a stage's report() per window
+
+
+def choose_kernels(device: torch.device, dependent_launch: bool, layer_kernels: str) -> None:
+    """This process's kernel choices for a CUDA stage (one config per process): programmatic
+    dependent launches (--pdl), and whether norms and dense projections take Strata's
+    Triton kernels where those take the window (--layer-kernels)."""
+    if device.type == "cuda" and triton_available():
+        from strata.layers import pdl
+        pdl.enabled = dependent_launch
+        Linear.path = RMSNorm.path = "auto" if layer_kernels == "triton" else "torch"
 
 
 class StageModule(nn.Module):
@@ -81,7 +92,7 @@ class Stage:
                  device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
                  cache_size: CacheSize, mtp: bool = False, attention_backend: str = "auto",
                  compile_layers: bool = False, offload: ExpertOffload | None = None,
-                 dependent_launch: bool = True):
+                 dependent_launch: bool = True, layer_kernels: str = "triton"):
         self.index, self.layers, self.device, self.dtype = index, layers, device, dtype
         self.arch, self.cache_size, self.offload = arch, cache_size, offload
         self.experts: ExpertCaches | None = None  # set by load() with --experts-in-ram
@@ -94,9 +105,7 @@ class Stage:
         self.module.rotary.reset(device)
         if device.type == "cuda" and compile_layers:
             enable_compile()
-        if device.type == "cuda" and triton_available():
-            from strata.layers import pdl
-            pdl.enabled = dependent_launch  # this process's kernels (one config per process)
+        choose_kernels(device, dependent_launch, layer_kernels)
         self.backend = get_backend(attention_backend, device)
 
         def cache(layer: int) -> Cache:
@@ -263,4 +272,4 @@ def build_stage(config, model_config, index: int, cache_size: CacheSize,
                  config.kv_dtype(), cache_size, mtp=mtp,
                  attention_backend=config.attention_backend,
                  compile_layers=config.compile == "on", offload=ExpertOffload.of(config),
-                 dependent_launch=config.pdl == "on")
+                 dependent_launch=config.pdl == "on", layer_kernels=config.layer_kernels)
