@@ -8,9 +8,9 @@ and the one after cannot overlap its start and end (strata/layers/pdl.py). This 
 a programmatic dependent launch like Strata's other kernels: program i owns BLOCK_N rows
 of W and walks them BLOCK_K columns a step, each token's products summed in float32 and
 rounded once to the output dtype, the bias (if any) added before that rounding as cuBLAS's
-epilogue does. A gated MLP's down projection takes its input's silu(gate) * up as it
-loads it, where PyTorch takes a launch of its own. Measured on the H200 (benchmarks/README.md): 5.1 us for that o_proj, 1.5
-for that down_proj.
+epilogue does. A gated MLP's down projection takes its input's silu(gate) * up as it loads
+it, where PyTorch takes a launch of its own. Measured on the H200 (benchmarks/README.md):
+5.1 us for that o_proj, 1.5 for that down_proj.
 
 Windows of 5-64 tokens (decoding slots with their drafts) take `_gemm` instead: the same
 walk, every token at once on the tensor cores; it beats cuBLAS on small weights only
@@ -89,8 +89,8 @@ def _gemm(x_ptr, w_ptr, b_ptr, out_ptr,            # [T, K], [N, K], [N], [T, N]
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           HAS_BIAS: tl.constexpr, GATED: tl.constexpr, DOT_FP32: tl.constexpr,
           PDL: tl.constexpr):
-    """Windows of 5..MAX_DOT_TOKENS tokens: program i multiplies every token by BLOCK_N rows
-    of W, BLOCK_K columns a step, on the tensor cores (float32 sums)."""
+    """Windows of ROW_TOKENS + 1 to MAX_TOKENS tokens: program i multiplies every token by
+    BLOCK_N rows of W, BLOCK_K columns a step, on the tensor cores (float32 sums)."""
     if PDL:
         pdl.wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
