@@ -122,7 +122,7 @@ def test_engines_give_the_same_tokens_with_it(tmp_path, monkeypatch):
     model = build_tiny("llama", folder, attention_bias=True)
     batch = prompts(3, model.config.vocab_size, seed=7, low=5, high=30)
     batch[0] = batch[0][:5] * 4  # repeats: the lookup proposer drafts
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     engine = Engine(EngineConfig(model=str(folder), attention_backend="triton", parallel=2,
                                  spec=3, max_context=96, max_window_tokens=48))
     monkeypatch.setattr(Linear, "path", "torch")
