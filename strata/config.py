@@ -98,8 +98,10 @@ class EngineConfig:
         "default: on an H200 it cost 2-38% of the speed in 10 of 12 cases measured; "
         "strata calibrate measures it; docs/EXPERTS.md)"))
     compile: str = field(default="on", metadata=_opt(
-        "on: CUDA stages run RMSNorm, rotary embedding and the SiLU gate as torch.compile'd "
-        "fused kernels (compiled once at start-up, in seconds); off: plain PyTorch",
+        "on: CUDA stages run RMSNorm (with --layer-kernels torch), rotary embedding (where "
+        "its Triton kernel does not take it) and the SiLU gate (where the projection after "
+        "it does not) as torch.compile'd fused kernels (compiled once at start-up, in "
+        "seconds); off: plain PyTorch",
         choices=("on", "off")))
     pdl: str = field(default="on", metadata=_opt(
         "on: on GPUs of compute capability 9.0 or more (Hopper), Strata's Triton kernels "
