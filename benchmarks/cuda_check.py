@@ -6,7 +6,8 @@ layers, whose state rolls back under drafts) checkpoints with transformers, then
 - bf16 on CUDA: how often Strata's greedy tokens agree with fp32 transformers (bf16
   rounds differently, so this is measured and reported, not asserted);
 - batched (8 requests, chunked prefill) against solo greedy tokens, both bf16 on CUDA;
-- the triton attention backend against the reference backend (bf16 logits, max relative
+- the triton attention backend with Strata's other Triton kernels (norms, rotation,
+  projections) against the reference backend with PyTorch's (bf16 logits, max relative
   error), and greedy tokens replayed from CUDA graphs against eager ones (4 prompts x 256
   tokens, with drafts; and without drafts, graphs with windows built ahead against eager
   windows one at a time), on the tiny models and on `--gguf` (the default model) if given;
@@ -102,7 +103,7 @@ def main() -> int:
                           "bf16 greedy tokens = fp32 greedy", "bf16 batched tokens = bf16 solo"],
                          rows))
     print()
-    print(markdown_table(["model", "bf16 triton + compiled vs reference: max rel. logit error",
+    print(markdown_table(["model", "bf16 triton + compiled vs PyTorch: max rel. logit error",
                           "greedy tokens, CUDA graphs = eager (4 x 256, drafts)",
                           "same, no drafts, graphs + windows ahead = eager one at a time"],
                          fast))
