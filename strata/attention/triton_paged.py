@@ -118,17 +118,22 @@ class TritonBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cache: PagedKVCache, meta: TritonMeta,
                 scale: float | None = None, written: bool = False) -> torch.Tensor:
-        if written:
-            pass  # the rotation's kernel wrote k and v to meta.slot_mapping's rows
-        elif k.stride(-1) == v.stride(-1) == 1 and k.dtype == v.dtype == cache.key.dtype:
-            self.write(k, v, cache.key, cache.value, meta.slot_mapping)
-        else:  # a cast first: PyTorch's
-            cache.key.index_copy_(0, meta.slot_mapping, k.to(cache.key.dtype))
-            cache.value.index_copy_(0, meta.slot_mapping, v.to(cache.value.dtype))
+        if not written:  # (written: the rotation's kernel put them in `rows(meta)`)
+            self._write(k, v, cache, meta)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return self.kernel(q if q.stride(-1) == 1 else q.contiguous(), cache.key, cache.value,
                            meta.positions, meta.block_tables, meta.tile_entry,
                            meta.tile_start, meta.tile_count, meta.block_size, scale)
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache,
+               meta: TritonMeta) -> None:
+        """k and v into the window's cache rows: one kernel, or PyTorch's copies where a
+        cast comes first."""
+        if k.stride(-1) == v.stride(-1) == 1 and k.dtype == v.dtype == cache.key.dtype:
+            self.write(k, v, cache.key, cache.value, meta.slot_mapping)
+        else:
+            cache.key.index_copy_(0, meta.slot_mapping, k.to(cache.key.dtype))
+            cache.value.index_copy_(0, meta.slot_mapping, v.to(cache.value.dtype))
 
 
 def check_device(device_type: str) -> None:
