@@ -270,7 +270,7 @@ def test_route_window_routes_and_groups_as_the_separate_launches(tokens, num_exp
     the same experts; weights to float tolerance), with the router in the kernel or, with
     a bias, its logits given; and the counter it takes is 0 again after it."""
     from strata.layers import route_triton
-    from strata.quant.triton_quant import tile_counters
+    from strata.layers.counters import arrival_counters
 
     gate = dense_router(64, num_experts, torch.float32, bias)
     x = window(tokens, 64, seed=tokens) * 3
@@ -281,7 +281,7 @@ def test_route_window_routes_and_groups_as_the_separate_launches(tokens, num_exp
     torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
     for got, want in zip(route, moe_triton._route(want_experts, num_experts)):
         assert got.dtype == want.dtype and torch.equal(got, want)
-    assert not tile_counters(x.device).any()
+    assert not arrival_counters(x.device).any()
 
 
 @torch.no_grad()

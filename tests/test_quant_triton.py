@@ -19,6 +19,7 @@ from conftest import SM86_SHARED, TRITON_TYPES, compile_kernel, offline_compiled
 pytest.importorskip("triton")
 gguf = pytest.importorskip("gguf")
 
+from strata.layers.counters import arrival_counters
 from strata.quant import triton_quant
 from strata.quant.formats import FORMATS
 
@@ -149,7 +150,7 @@ def test_split_sums_set_their_counters_back(count):
             if count <= triton_quant.ROW_TOKENS
             else triton_quant.gemv_splits(3, values // 64)) > 1
     x = tokens(count, values, seed=count)
-    counters = triton_quant.tile_counters(x.device)
+    counters = arrival_counters(x.device)
     first = triton_quant.gemv(x, wide, "Q4_K")
     assert not counters.any()
     assert torch.equal(triton_quant.gemv(x, wide, "Q4_K"), first)

@@ -22,7 +22,7 @@ quantized (or with a bias, or in another dtype than x) computes its logits first
 the launch is that last program alone.
 
 NOTE: no host sync and shapes that follow (T, E, k) only: captured in CUDA graphs. The
-counter is triton_quant's (zero between launches: the last program sets it back).
+counter is one of counters.py's (zero between launches: the last program sets it back).
 """
 
 # NOTE: no `from __future__ import annotations` here: triton reads the kernels'
@@ -33,7 +33,7 @@ import triton.language as tl
 
 from strata.layers import moe_triton, pdl
 from strata.layers.moe_triton import _group_pairs, _rounded
-from strata.quant.triton_quant import tile_counters
+from strata.layers.counters import arrival_counters
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 16
@@ -201,7 +201,7 @@ def route_window(x: torch.Tensor, gate: torch.nn.Module, top_k: int, renormalise
     t_pad = triton.next_power_of_2(tokens)
     _route_window[(num_experts if router is not None else 1,)](
         x, router if router is not None else x, logits, weights, experts, counts, starts,
-        order, listed, tile_counters(device), tokens, hidden, num_experts, listed.shape[0],
+        order, listed, arrival_counters(device), tokens, hidden, num_experts, listed.shape[0],
         x.stride(0), router.stride(0) if router is not None else 0, logits.stride(0),
         ROUTER=router is not None, T_PAD=t_pad,
         BLOCK_H=min(triton.next_power_of_2(hidden), max(16, ROUTER_VALUES // t_pad)),

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from strata.layers import pdl
+from strata.layers.counters import MAX_COUNTERS, arrival_counters
 from strata.quant.formats import FORMATS
 
 BLOCK_N = 64          # output rows per program
@@ -591,27 +592,6 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
         num_stages=2))
 
 
-MAX_SPLIT_TILES = 4096  # row tiles a split launch may have (each split kernel's limit is lower)
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def tile_counters(device: torch.device) -> torch.Tensor:
-    """The device's int32 counters of a split launch's row tiles, zero between launches
-    (each launch's last program per tile sets its counter back). Kept for the process's
-    life: CUDA graphs hold their address. NOTE: one set per device, so split launches on
-    one device must not run at once on two streams (they don't: a stage's kernels run on
-    its stream; the expert prefetch's side stream launches no gemv)."""
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # made inside a capture they would be the graph's memory, zeroed only by it
-            raise RuntimeError("a split gemv's first call was inside a CUDA graph capture; "
-                               "run the forward once before capturing it")
-        counters = _COUNTERS[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32,
-                                                   device=device)
-    return counters
-
-
 def _split_sums(x: torch.Tensor, rows: int, tiles: int, splits: int, launch) -> torch.Tensor:
     """y [T, rows] in x's dtype from `launch(out, partial, counts)`: a kernel that writes
     y itself (one split), or whose `splits` programs per row tile write fp32 partials
@@ -622,9 +602,9 @@ def _split_sums(x: torch.Tensor, rows: int, tiles: int, splits: int, launch) -> 
     if splits == 1:
         launch(out, out, out)  # the partial and counter pointers go unused
         return out
-    assert tiles <= MAX_SPLIT_TILES, (tiles, splits)
+    assert tiles <= MAX_COUNTERS, (tiles, splits)
     launch(out, torch.empty(splits, x.shape[0], rows, dtype=torch.float32, device=x.device),
-           tile_counters(x.device))
+           arrival_counters(x.device))
     return out
 
 
