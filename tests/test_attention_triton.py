@@ -20,6 +20,7 @@ from strata.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.errors import StrataError
 from strata.kvcache.block_pool import cache_rows
+from strata.layers.counters import arrival_counters
 from strata.kvcache.cache import PagedKVCache
 from strata.kvcache.spec import PagedKVSpec
 from strata.sampling.params import SamplingParams
@@ -105,6 +106,34 @@ def test_triton_equals_reference(name, heads, kv_heads):
     torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_rows_past_each_context_are_never_used():
+    """A decoding program loads its first key step before it knows its context's end
+    (bounded by the table's width only): rows past each entry's last position, and the
+    padding block its table names, hold NaN here, and the output is still the clean
+    cache's."""
+    from strata.attention import triton_kernel
+
+    batch = window([(5, 1), (40, 1), (1, 2)], block_size=4)
+    pair = caches(2, 64, 4)
+    q, k, v = inputs(len(batch.positions), 6, 2, 64)
+    ref = get_backend("reference").forward(q, k, v, pair[0], get_backend("reference").prepare(
+        batch, CPU))
+    meta = get_backend("triton").prepare(batch, CPU)
+    dirty = pair[1]
+    dirty.key.index_copy_(0, meta.slot_mapping, k)
+    dirty.value.index_copy_(0, meta.slot_mapping, v)
+    used = torch.zeros(dirty.key.shape[0], dtype=torch.bool)
+    for entry, (start, count) in enumerate([(5, 1), (40, 1), (1, 2)]):
+        for pos in range(start + count):
+            used[batch.block_tables[entry, pos // 4] * 4 + pos % 4] = True
+    dirty.key[~used] = float("nan")
+    dirty.value[~used] = float("nan")
+    out = triton_kernel.paged_attention(q, dirty.key, dirty.value, meta.positions,
+                                        meta.block_tables, meta.tile_entry, meta.tile_start,
+                                        meta.tile_count, 4, 64 ** -0.5, splits=4)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dim,block_size,heads", [(48, 3, 3), (192, 16, 6)])
 def test_odd_head_dims_and_block_sizes(dim, block_size, heads):
     """192 (MLA's padded dim) with a group of 6 also splits the group in two head chunks."""
@@ -117,8 +146,8 @@ def test_odd_head_dims_and_block_sizes(dim, block_size, heads):
 @pytest.mark.parametrize("splits", [16, 1, 4])
 def test_long_contexts_split_their_walk(splits):
     """Decoding and verifying over hundreds of positions: the key walk split over programs
-    (a GPU's default for so few tokens: 16 splits, most with keys), over 4, or not at
-    all."""
+    (a GPU's default for so few tokens: 16 splits, most with one step of keys), over 4
+    (several steps each), or not at all."""
     from strata.attention import triton_kernel
 
     batch = window([(600, 1), (290, 4)], block_size=16)
@@ -133,6 +162,7 @@ def test_long_contexts_split_their_walk(splits):
                                         meta.block_tables, meta.tile_entry, meta.tile_start,
                                         meta.tile_count, 16, 64 ** -0.5, splits=splits)
     torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+    assert not arrival_counters(CPU).any()  # each tile's last split set its counter back
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     assert triton_kernel.num_splits(3 * 2, gpu) == 16 and triton_kernel.num_splits(200, gpu) == 1
     assert triton_kernel.num_splits(3 * 2, cpu) == 1
@@ -222,10 +252,6 @@ def compile_offline(arch: int, head_dim: int, group: int, q_dtype, kv_dtype,
                 "*i32" if name.endswith("_ptr") else
                 "fp32" if name == "qk_scale" else "i32")
 
-    if splits > 1:  # the combining kernel must compile too
-        compile_kernel(triton_kernel._combine_splits, arch,
-                       {k: constants[k] for k in ("HEAD_DIM", "BLOCK_D", "NUM_SPLITS")},
-                       types, dict(num_warps=1, num_stages=2))
     return compile_kernel(triton_kernel._paged_attention, arch, constants, types,
                           dict(num_warps=num_warps, num_stages=2))
 
