@@ -385,7 +385,7 @@ def compile_small(arch: int, experts: int = 512, top_k: int = 10):
     return [compile_kernel(route_triton._softmax_top_k, arch,
                            sizes | dict(RENORMALISE=True), router, options)] + [
         compile_kernel(route_triton._route_window, arch,
-                       sizes | dict(ROUTER=True, T_PAD=tokens, BLOCK_H=min(
+                       route_triton._sizes(experts, top_k, tokens) | dict(ROUTER=True, T_PAD=tokens, BLOCK_H=min(
                            2048, route_triton.ROUTER_VALUES // tokens), RENORMALISE=True,
                            PAIRS=grouping(tokens)["PAIRS"], CHUNK=moe_triton.ROUTE_CHUNK),
                        window_types, options)

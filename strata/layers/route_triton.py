@@ -39,6 +39,7 @@ MAX_EXPERTS = 1024
 MAX_TOP_K = 16
 WINDOW_TOKENS = 4  # SparseMoE's windows of up to this many tokens take `route_window`
 ROUTER_VALUES = 4096  # router weights x tokens a program multiplies per step
+RANKED_PAIRS = 65536  # rows x experts^2 up to which the top-k compares all pairs at once
 
 
 @triton.jit
@@ -66,9 +67,53 @@ def _top_k(logits, t, t_ok, e, weights_ptr, experts_ptr, TOP_K: tl.constexpr,
 
 
 @triton.jit
+def _ranked_top_k(logits, t, t_ok, e, weights_ptr, experts_ptr, TOP_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALISE: tl.constexpr):
+    """`_top_k` by ranks: each expert's rank among its token's probabilities (the experts
+    more probable, or as probable with a smaller id) in one comparison of all pairs
+    [T_PAD, BLOCK_E, BLOCK_E], where `_top_k` takes 2k reductions one after another; the
+    same experts, order and weights. Returns the ranks [T_PAD, BLOCK_E] (int32)."""
+    logits = tl.where(t_ok[:, None], logits, 0.0)
+    probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = probs / tl.sum(probs, axis=1)[:, None]
+    mine = probs[:, :, None]                                  # [T_PAD, BLOCK_E, 1]
+    other = probs[:, None, :]                                 # [T_PAD, 1, BLOCK_E]
+    before = (other > mine) | ((other == mine) & (e[None, None, :] < e[None, :, None]))
+    rank = tl.sum(before.to(tl.int32), axis=2)                # [T_PAD, BLOCK_E]
+    taken = t_ok[:, None] & (rank < TOP_K)
+    tl.store(experts_ptr + t[:, None] * TOP_K + rank, e[None, :].to(tl.int64) + 0 * t[:, None],
+             mask=taken)
+    j = tl.arange(0, BLOCK_K)
+    picked = (rank[:, :, None] == j[None, None, :]) & (j < TOP_K)[None, None, :]
+    chosen = tl.sum(tl.where(picked, probs[:, :, None], 0.0), axis=1)  # [T_PAD, BLOCK_K]
+    if RENORMALISE:
+        chosen = chosen / tl.sum(chosen, axis=1)[:, None]
+    dtype = weights_ptr.dtype.element_ty
+    tl.store(weights_ptr + t[:, None] * TOP_K + j[None, :], _rounded(chosen, dtype).to(dtype),
+             mask=t_ok[:, None] & (j < TOP_K)[None, :])
+    return rank
+
+
+@triton.jit
+def _group_one(rank, e, counts_ptr, starts_ptr, order_ptr, listed_ptr, num_experts,
+               TOP_K: tl.constexpr):
+    """`_group_pairs` of a one-token window from its ranks [1, BLOCK_E], without reading
+    the experts back: each chosen expert has one pair (its rank), the routed experts by id
+    are the first k listed, and a pair's slot is its expert's place among them."""
+    rank = tl.sum(rank, axis=0)                               # [BLOCK_E]
+    e_ok = e < num_experts
+    routed = (rank < TOP_K).to(tl.int32)
+    start = tl.cumsum(routed, axis=0) - routed
+    tl.store(counts_ptr + e, routed, mask=e_ok)
+    tl.store(starts_ptr + e, start, mask=e_ok)
+    tl.store(order_ptr + start, rank.to(tl.int64), mask=routed > 0)
+    tl.store(listed_ptr + start, e.to(tl.int64), mask=routed > 0)
+
+
+@triton.jit
 def _softmax_top_k(logits_ptr, weights_ptr, experts_ptr, num_experts, stride_t,
                    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                   RENORMALISE: tl.constexpr, PDL: tl.constexpr):
+                   RANKED: tl.constexpr, RENORMALISE: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         pdl.wait()
     t = tl.zeros([1], dtype=tl.int64) + tl.program_id(0)  # the token, as a 1-row tile
@@ -77,8 +122,12 @@ def _softmax_top_k(logits_ptr, weights_ptr, experts_ptr, num_experts, stride_t,
                      mask=(e < num_experts)[None, :], other=-float("inf")).to(tl.float32)
     if PDL:
         pdl.release()
-    _top_k(logits, t, t >= 0, e, weights_ptr, experts_ptr, TOP_K, BLOCK_E, BLOCK_K,
-           RENORMALISE)
+    if RANKED:
+        _ranked_top_k(logits, t, t >= 0, e, weights_ptr, experts_ptr, TOP_K, BLOCK_E, BLOCK_K,
+                      RENORMALISE)
+    else:
+        _top_k(logits, t, t >= 0, e, weights_ptr, experts_ptr, TOP_K, BLOCK_E, BLOCK_K,
+               RENORMALISE)
 
 
 @triton.jit
@@ -88,8 +137,8 @@ def _route_window(x_ptr, router_ptr, logits_ptr, weights_ptr, experts_ptr,
                   stride_lt,
                   ROUTER: tl.constexpr, T_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                   TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                  RENORMALISE: tl.constexpr, PAIRS: tl.constexpr, CHUNK: tl.constexpr,
-                  PDL: tl.constexpr):
+                  RANKED: tl.constexpr, RENORMALISE: tl.constexpr, PAIRS: tl.constexpr,
+                  CHUNK: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         pdl.wait()
     t = tl.arange(0, T_PAD)
@@ -120,13 +169,21 @@ def _route_window(x_ptr, router_ptr, logits_ptr, weights_ptr, experts_ptr,
         logits = tl.load(logits_ptr + t[:, None] * stride_lt + e[None, :],
                          mask=t_ok[:, None] & (e < num_experts)[None, :],
                          other=-float("inf"), cache_modifier=".cg").to(tl.float32)
-        _top_k(logits, t, t_ok, e, weights_ptr, experts_ptr, TOP_K, BLOCK_E, BLOCK_K,
-               RENORMALISE)
         if ROUTER:
             tl.atomic_xchg(arrived_ptr, 0)
-        tl.debug_barrier()  # the experts written, by all of this program's threads
-        _group_pairs(experts_ptr, counts_ptr, starts_ptr, order_ptr, listed_ptr,
-                     num_tokens * TOP_K, num_experts, num_listed, PAIRS, BLOCK_E, CHUNK)
+        if RANKED:
+            rank = _ranked_top_k(logits, t, t_ok, e, weights_ptr, experts_ptr, TOP_K, BLOCK_E,
+                                 BLOCK_K, RENORMALISE)
+        else:
+            _top_k(logits, t, t_ok, e, weights_ptr, experts_ptr, TOP_K, BLOCK_E, BLOCK_K,
+                   RENORMALISE)
+        if RANKED and T_PAD == 1:  # one token: its ranks are its grouping
+            _group_one(rank, e, counts_ptr, starts_ptr, order_ptr, listed_ptr, num_experts,
+                       TOP_K)
+        else:
+            tl.debug_barrier()  # the experts written, by all of this program's threads
+            _group_pairs(experts_ptr, counts_ptr, starts_ptr, order_ptr, listed_ptr,
+                         num_tokens * TOP_K, num_experts, num_listed, PAIRS, BLOCK_E, CHUNK)
 
 
 def takes(num_experts: int, top_k: int) -> bool:
@@ -140,9 +197,11 @@ def _check(num_experts: int, top_k: int) -> None:
                          f"at most top-{MAX_TOP_K} of {MAX_EXPERTS}")
 
 
-def _sizes(num_experts: int, top_k: int) -> dict:
-    return dict(TOP_K=top_k, BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
-                BLOCK_K=max(2, triton.next_power_of_2(top_k)))
+def _sizes(num_experts: int, top_k: int, t_pad: int = 1) -> dict:
+    """The top-k's constexprs for rows of `num_experts` logits, `t_pad` rows a program."""
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    return dict(TOP_K=top_k, BLOCK_E=block_e, BLOCK_K=max(2, triton.next_power_of_2(top_k)),
+                RANKED=t_pad * block_e * block_e <= RANKED_PAIRS)
 
 
 def softmax_top_k(logits: torch.Tensor, top_k: int, renormalise: bool,
@@ -205,6 +264,6 @@ def route_window(x: torch.Tensor, gate: torch.nn.Module, top_k: int, renormalise
         x.stride(0), router.stride(0) if router is not None else 0, logits.stride(0),
         ROUTER=router is not None, T_PAD=t_pad,
         BLOCK_H=min(triton.next_power_of_2(hidden), max(16, ROUTER_VALUES // t_pad)),
-        **_sizes(num_experts, top_k), RENORMALISE=renormalise, PAIRS=grouping["PAIRS"],
+        **_sizes(num_experts, top_k, t_pad), RENORMALISE=renormalise, PAIRS=grouping["PAIRS"],
         CHUNK=grouping["CHUNK"], **pdl.constants(device), num_warps=4)
     return weights, experts, route
