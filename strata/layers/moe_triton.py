@@ -20,8 +20,10 @@ follow, one program per (listed expert, tile of BLOCK_N output columns):
               walking I; each pair's row times its routing weight, in fp32, into
               out [T*k, H] at the pair's own index p.
 
-and y = out.view(T, k, H).sum(1) in x's dtype (`_combine`): each token's k rows added in
-order (no atomics, so the result is deterministic). A router may have grouped the pairs
+and y = out.view(T, k, H).sum(1) in x's dtype: each token's k rows added in order (no
+atomic adds, so the result is deterministic) by the last `_down` program of each column
+tile to finish (`_count_in`, an arrival counter of counters.py), or by one more launch
+(`_combine`: the quantized decode kernels, and COMBINE_IN_DOWN off). A router may have grouped the pairs
 already (route_triton's `route_window`: the router's logits, top-k and this grouping in
 one launch); `route` then skips `_route_pairs`. A decoding window of DeepSeek-V3 (k = 8
 of E = 256) thus launches 8 programs per column tile, not 256; a program of an expert
