@@ -376,10 +376,12 @@ def compile_route(arch: int, pairs: int = 320, experts: int = 512):
                           dict(num_warps=4))
 
 
-def compile_small(arch: int, experts: int = 512, top_k: int = 10):
+def compile_small(arch: int, experts: int = 512, top_k: int = 10,
+                  windows: tuple[int, ...] = (1, 32)):
     """route_triton's `_softmax_top_k` (bf16 logits of `experts` experts, top-k) and
-    `_route_window` (a dense bf16 router of 2048 columns, a 1-token and a 32-token window),
-    compiled for compute capability `arch`."""
+    `_route_window` (a dense bf16 router of 2048 columns, windows of `windows` tokens),
+    compiled for compute capability `arch`. 512 experts take the top-k's loop, 128 its
+    ranks (and one token its grouping from them)."""
     from strata.layers import route_triton
 
     def router(name: str) -> str:
@@ -392,18 +394,17 @@ def compile_small(arch: int, experts: int = 512, top_k: int = 10):
                 "listed_ptr": "*i64"}.get(name, "*i32" if name.endswith("_ptr") else "i32")
 
     options = dict(num_warps=4)
-    sizes = route_triton._sizes(experts, top_k)
 
-    def grouping(tokens: int) -> dict:
-        return moe_triton.grouping_constants(tokens * top_k, experts)
+    def window(tokens: int) -> dict:
+        return route_triton._sizes(experts, top_k, tokens) | dict(
+            ROUTER=True, T_PAD=tokens, BLOCK_H=min(2048, route_triton.ROUTER_VALUES // tokens),
+            RENORMALISE=True, CHUNK=moe_triton.ROUTE_CHUNK,
+            PAIRS=moe_triton.grouping_constants(tokens * top_k, experts)["PAIRS"])
     return [compile_kernel(route_triton._softmax_top_k, arch,
-                           sizes | dict(RENORMALISE=True), router, options)] + [
-        compile_kernel(route_triton._route_window, arch,
-                       route_triton._sizes(experts, top_k, tokens) | dict(ROUTER=True, T_PAD=tokens, BLOCK_H=min(
-                           2048, route_triton.ROUTER_VALUES // tokens), RENORMALISE=True,
-                           PAIRS=grouping(tokens)["PAIRS"], CHUNK=moe_triton.ROUTE_CHUNK),
-                       window_types, options)
-        for tokens in (1, 32)]
+                           route_triton._sizes(experts, top_k) | dict(RENORMALISE=True),
+                           router, options)] + [
+        compile_kernel(route_triton._route_window, arch, window(tokens), window_types, options)
+        for tokens in windows]
 
 
 COMPILED = [("bfloat16", 1), ("bfloat16", 32), ("float32", 1), ("float32", 32)]
@@ -419,9 +420,10 @@ def test_the_kernels_compile_for_rtx3090_and_h200(tmp_path):
             "print(*[k.metadata.shared for d, t in COMPILED\n"
             "        for k in compile_offline(arch, t, getattr(torch, d))])\n"
             "print(compile_route(arch).metadata.shared)\n"
-            "print(*[k.metadata.shared for k in compile_small(arch)])")
+            "print(*[k.metadata.shared for k in compile_small(arch)])\n"
+            "print(*[k.metadata.shared for k in compile_small(arch, 128, 8, (1, 4))])")
     shared = offline_compiled(code, tmp_path)
-    assert len(shared) == 2 * (2 * len(COMPILED) + 4)
+    assert len(shared) == 2 * (2 * len(COMPILED) + 7)
     assert max(shared) <= SM86_SHARED
 
 
