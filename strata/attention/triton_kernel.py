@@ -12,13 +12,11 @@ positions above a query's are read but masked.
 A window of few tiles (decoding) would leave most of the GPU idle while each program walks
 its whole context, so its walk is split: the NUM_SPLITS programs of a tile and head take
 its key steps in turn (program s steps s, s + NUM_SPLITS, ...) and store unnormalised
-partials (acc, max, sum); the last of them to arrive (counters.py) merges them. The split
-count follows the window's size only, never the context, so graphs capture it like the
-rest; programs past a tile's context end at once. A decoding program thus runs one
-step for contexts of up to NUM_SPLITS * BLOCK_N keys, and its first step's block numbers,
-keys and values are loaded before its positions are known (masked by the table's width
-until then): two round trips to memory before it computes, where a walk by ranges needed
-four, and no second launch to merge the splits (H200: benchmarks/README.md).
+partials (acc, max, sum), and `_combine_splits` merges them. The split count follows the
+window's size only, never the context, so graphs capture it like the rest; programs past
+a tile's context end at once. A decoding program runs one step for contexts of up to
+NUM_SPLITS * BLOCK_N keys, and its first step's block numbers are loaded before its
+positions are known (masked by the table's width until then).
 
 NOTE: nothing here syncs with the host or allocates by data: the loop bound is loaded by
 the program itself, so a launch can be captured in a CUDA graph. Tile sizes are fixed from
@@ -34,7 +32,6 @@ import triton
 import triton.language as tl
 
 from strata.layers import pdl
-from strata.layers.counters import MAX_COUNTERS, arrival_counters
 
 BLOCK_M = 16  # tokens per query tile (the tile map in triton_paged.py is built with it)
 LOG2_E = 1.4426950408889634  # the kernel's softmax uses exp2
@@ -47,11 +44,12 @@ MAX_SPLITS = 16
 @triton.jit(do_not_specialize=["stride_table", "table_width", "num_tokens"])
 def _paged_attention(
         q_ptr, out_ptr, key_ptr, value_ptr,              # [T, H, D] x2, [rows, Hkv, D] x2
-        split_acc_ptr, split_ml_ptr, arrived_ptr,        # [S, T, H, BLOCK_D], [S, T, H, 2], [tiles * P]
+        split_acc_ptr, split_ml_ptr,                     # [S, T, H, BLOCK_D], [S, T, H, 2]
         positions_ptr, block_tables_ptr,                 # [T], [B, W]
         tile_entry_ptr, tile_start_ptr, tile_count_ptr,  # [tiles] each
         stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
-        stride_ot, stride_oh, stride_table, table_width, qk_scale,  # qk_scale: with log2(e)
+        stride_ot, stride_oh, stride_table, table_width,
+        qk_scale,                                        # includes log2(e)
         num_tokens, num_heads,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, GROUP_BLOCK: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
@@ -67,22 +65,14 @@ def _paged_attention(
     first = tl.load(tile_start_ptr + tile).to(tl.int64)
     count = tl.load(tile_count_ptr + tile)
     table = block_tables_ptr + entry * stride_table
-
-    # This program's first key step (split, split + NUM_SPLITS, ... are its steps) is
-    # loaded before the tile's positions say how far its keys go: the table's own width
-    # bounds it, and every table entry (padding too) names a block of the cache. So the
-    # positions, the block numbers and then the keys and values take two round trips to
-    # memory, not four; the steps past the tile's last position are masked below.
+    # This program's key steps: split, split + NUM_SPLITS, ... (BLOCK_N keys each). The
+    # first one's block numbers are loaded before the tile's positions say how far its
+    # keys go (the table's width bounds them): one round trip to memory fewer before the
+    # keys and values are read. Its keys past the tile's last position are never read.
     key_pos = split * BLOCK_N + tl.arange(0, BLOCK_N)                      # [BLOCK_N]
-    dim = tl.arange(0, BLOCK_D)
-    dim_ok = dim < HEAD_DIM
-    key_ok = key_pos // BLOCK_SIZE < tl.where(count > 0, table_width, 0)
-    block = tl.load(table + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-    cache_row = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
-    k_t = tl.load(key_ptr + cache_row[None, :] * stride_kr + kv_head * stride_kh
-                  + dim[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
-    v = tl.load(value_ptr + cache_row[:, None] * stride_vr + kv_head * stride_vh
-                + dim[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+    block = tl.load(table + key_pos // BLOCK_SIZE,
+                    mask=key_pos // BLOCK_SIZE < tl.where(count > 0, table_width, 0),
+                    other=0).to(tl.int64)
 
     # Rows: token (row // GROUP_BLOCK) of the tile x query head (row % GROUP_BLOCK) of the
     # chunk. Rows past the tile's tokens or the group's heads load zeros and store nothing.
@@ -91,86 +81,84 @@ def _paged_attention(
     group_head = chunk * GROUP_BLOCK + row % GROUP_BLOCK
     head = kv_head * GROUP + group_head
     row_ok = (token < count) & (group_head < GROUP)
+    dim = tl.arange(0, BLOCK_D)
+    dim_ok = dim < HEAD_DIM
     q_rows = (first + token) * stride_qt + head * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + dim[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)   # [ROWS, BLOCK_D]
     # Rows without a token take position -1: they attend to nothing and are never stored;
-    # an empty tile (padding of the tile map) runs no key step at all.
+    # an empty tile (padding of the tile map) runs no key block at all.
     q_pos = tl.load(positions_ptr + first + token, mask=token < count, other=-1)  # [ROWS]
     end = tl.max(q_pos, axis=0) + 1
-
     m_i = tl.full([BLOCK_M * GROUP_BLOCK], -1.0e30, dtype=tl.float32)  # finite: no inf - inf
     l_i = tl.zeros([BLOCK_M * GROUP_BLOCK], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_BLOCK, BLOCK_D], dtype=tl.float32)
     for start in range(split * BLOCK_N, end, NUM_SPLITS * BLOCK_N):
-        # k_t [BLOCK_D, BLOCK_N] and v [BLOCK_N, BLOCK_D] hold this step's keys (key_pos)
+        key_pos = start + tl.arange(0, BLOCK_N)                            # [BLOCK_N]
+        key_ok = key_pos < end
+        cache_row = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
+        k_t = tl.load(key_ptr + cache_row[None, :] * stride_kr + kv_head * stride_kh
+                      + dim[:, None], mask=key_ok[None, :] & dim_ok[:, None],
+                      other=0.0).to(q.dtype)                               # [BLOCK_D, BLOCK_N]
         if IEEE_FP32:
-            qk = tl.dot(q, k_t.to(q.dtype), input_precision="ieee")
+            qk = tl.dot(q, k_t, input_precision="ieee")
         else:
-            qk = tl.dot(q, k_t.to(q.dtype))                                # [ROWS, BLOCK_N]
+            qk = tl.dot(q, k_t)                                            # [ROWS, BLOCK_N]
         qk = tl.where(key_pos[None, :] <= q_pos[:, None], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.where((key_pos < end)[:, None], v, 0.0)  # the first step's past the context
-        if IEEE_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                                input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-        m_i = m_new
-        key_pos += NUM_SPLITS * BLOCK_N  # the next step's keys, loaded while this one ends
-        key_ok = key_pos < end
-        block = tl.load(table + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        cache_row = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
-        k_t = tl.load(key_ptr + cache_row[None, :] * stride_kr + kv_head * stride_kh
-                      + dim[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
         v = tl.load(value_ptr + cache_row[:, None] * stride_vr + kv_head * stride_vh
-                    + dim[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+                    + dim[None, :], mask=key_ok[:, None] & dim_ok[None, :],
+                    other=0.0).to(q.dtype)                                 # [BLOCK_N, BLOCK_D]
+        if IEEE_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+        after = key_pos + NUM_SPLITS * BLOCK_N  # the next step's block numbers
+        block = tl.load(table + after // BLOCK_SIZE, mask=after < end, other=0).to(tl.int64)
 
     if PDL:
         pdl.release()
-    out_rows = (first + token) * stride_ot + head * stride_oh
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out_rows = (first + token) * stride_ot + head * stride_oh
         tl.store(out_ptr + out_rows[:, None] + dim[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & dim_ok[None, :])
-    else:
-        # Every split stores its partials, an empty range too (max -1e30, sum 0), and
-        # counts itself in; the last of the tile's and heads' splits to arrive rescales
-        # them to their common maximum and adds them up in split order (the same bits
-        # whichever arrives last), then sets the counter back to 0 for the next launch.
-        # NOTE: the barrier puts every thread's partials before the counter's release;
-        # the last one reads them past L1 (.cg).
+    else:  # every split stores its partials, an empty range too (max -1e30, sum 0)
         part = (split * num_tokens + first + token) * num_heads + head            # [ROWS]
         tl.store(split_acc_ptr + part[:, None] * BLOCK_D + dim[None, :], acc,
                  mask=row_ok[:, None])
         tl.store(split_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(split_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
-        tl.debug_barrier()
-        counter = arrived_ptr + tile * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            m = tl.full([BLOCK_M * GROUP_BLOCK], -1.0e30, dtype=tl.float32)
-            for s in tl.static_range(NUM_SPLITS):
-                at = (s * num_tokens + first + token) * num_heads + head
-                m = tl.maximum(m, tl.load(split_ml_ptr + at * 2, mask=row_ok, other=-1.0e30,
-                                          cache_modifier=".cg"))
-            total = tl.zeros([BLOCK_M * GROUP_BLOCK], dtype=tl.float32)
-            out = tl.zeros([BLOCK_M * GROUP_BLOCK, BLOCK_D], dtype=tl.float32)
-            for s in tl.static_range(NUM_SPLITS):
-                at = (s * num_tokens + first + token) * num_heads + head
-                weight = tl.exp2(tl.load(split_ml_ptr + at * 2, mask=row_ok, other=-1.0e30,
-                                         cache_modifier=".cg") - m)
-                total += tl.load(split_ml_ptr + at * 2 + 1, mask=row_ok, other=0.0,
-                                 cache_modifier=".cg") * weight
-                out += tl.load(split_acc_ptr + at[:, None] * BLOCK_D + dim[None, :],
-                               mask=row_ok[:, None], other=0.0,
-                               cache_modifier=".cg") * weight[:, None]
-            out = out / tl.where(total > 0, total, 1.0)[:, None]
-            tl.store(out_ptr + out_rows[:, None] + dim[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-            tl.atomic_xchg(counter, 0)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _combine_splits(
+        split_acc_ptr, split_ml_ptr, out_ptr,            # partials as stored above, [T, H, D]
+        stride_ot, stride_oh, num_tokens, num_heads,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        PDL: tl.constexpr):
+    """One program per (token, head): the splits' partial softmaxes rescaled to their
+    common maximum and summed."""
+    if PDL:
+        pdl.wait()
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    split = tl.arange(0, NUM_SPLITS)
+    part = (split * num_tokens + token) * num_heads + head                        # [S]
+    m = tl.load(split_ml_ptr + part * 2)
+    weight = tl.exp2(m - tl.max(m, axis=0))                                        # [S]
+    total = tl.sum(tl.load(split_ml_ptr + part * 2 + 1) * weight, axis=0)
+    dim = tl.arange(0, BLOCK_D)
+    acc = tl.load(split_acc_ptr + part[:, None] * BLOCK_D + dim[None, :])        # [S, D]
+    if PDL:
+        pdl.release()
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dim,
+             out.to(out_ptr.dtype.element_ty), mask=dim < HEAD_DIM)
 
 
 def kernel_constants(head_dim: int, group: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
@@ -212,8 +200,7 @@ def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     splits: int | None = None) -> torch.Tensor:
     """q [T, H, D] attends through `block_tables` [B, W] to `key`/`value` [rows, Hkv, D]
     -> [T, H, D] in q's dtype. Tokens are grouped in tiles (tile_* [tiles], see
-    triton_paged.py); the cache must already hold the window's own keys and values, and
-    every entry of the tables (padding too) must name a block of the cache.
+    triton_paged.py); the cache must already hold the window's own keys and values.
     `splits`: of each key walk (a power of two; default `num_splits` of the launch)."""
     tokens, heads, head_dim = q.shape
     kv_heads = key.shape[1]
@@ -222,24 +209,26 @@ def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out = torch.empty_like(q)
     grid = (tile_entry.shape[0], kv_heads * constants["HEAD_CHUNKS"])
     splits = splits or num_splits(tokens, q.device)
-    if splits > 1 and grid[0] * grid[1] > MAX_COUNTERS:
-        splits = 1  # more (tile, head) counters than there are: one walk each
     block_d = constants["BLOCK_D"]
     if splits > 1:  # the partials, allocated by the launch's shape (graphs capture them)
         split_acc = torch.empty(splits, tokens, heads, block_d, dtype=torch.float32,
                                 device=q.device)
         split_ml = torch.empty(splits, tokens, heads, 2, dtype=torch.float32, device=q.device)
-        arrived = arrival_counters(q.device)
     else:
-        split_acc = split_ml = arrived = out  # not read
+        split_acc = split_ml = out  # not read
     _paged_attention[grid + (splits,)](
-        q, out, key, value, split_acc, split_ml, arrived, positions, block_tables, tile_entry,
+        q, out, key, value, split_acc, split_ml, positions, block_tables, tile_entry,
         tile_start, tile_count,
         q.stride(0), q.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), block_tables.shape[1],
         scale * LOG2_E, tokens, heads,
         **constants, NUM_SPLITS=splits, **pdl.constants(q.device), num_warps=num_warps,
         num_stages=2)
+    if splits > 1:
+        _combine_splits[(tokens, heads)](
+            split_acc, split_ml, out, out.stride(0), out.stride(1), tokens, heads,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, **pdl.constants(q.device),
+            num_warps=1)
     return out
 
 
