@@ -39,7 +39,7 @@ MAX_EXPERTS = 1024
 MAX_TOP_K = 16
 WINDOW_TOKENS = 4  # SparseMoE's windows of up to this many tokens take `route_window`
 ROUTER_VALUES = 4096  # router weights x tokens a program multiplies per step
-RANKED_PAIRS = 65536  # rows x experts^2 up to which the top-k compares all pairs at once
+RANKED_PAIRS = 16384  # rows x experts^2 up to which the top-k compares all pairs at once
 
 
 @triton.jit
