@@ -217,16 +217,12 @@ def compile_offline(arch: int, qtypes: tuple[str, str, str], tokens: int, dtype,
 
     def types(name: str) -> str:
         return ("*u8" if name in ("gate_ptr", "up_ptr", "down_ptr") else
-                "*i32" if name in ("counts_ptr", "starts_ptr", "arrived_ptr") else
+                "*i32" if name in ("counts_ptr", "starts_ptr") else
                 "*i64" if name in ("listed_ptr", "order_ptr", "rows_ptr") else
                 "*fp32" if name == "out_ptr" else
                 "*" + TRITON_TYPES[dtype] if name.endswith("_ptr") else "i32")
 
-    import triton
-
     cached = dict(CACHED=tokens > 1)  # an expert cache's rows table (decode: none)
-    if tokens > moe_triton.ROW_TOKENS:  # the row kernels leave the sums to `_combine`
-        down = down | dict(TOP_K=8, T_PAD=triton.next_power_of_2(tokens), COMBINE=True)
     return [compile_kernel(kernel, arch, constants | cached, types, launch)
             for kernel, constants in zip(kernels, (gate_up, down))]
 

@@ -21,9 +21,9 @@ follow, one program per (listed expert, tile of BLOCK_N output columns):
               out [T*k, H] at the pair's own index p.
 
 and y = out.view(T, k, H).sum(1) in x's dtype: each token's k rows added in order (no
-atomic adds, so the result is deterministic) by the last `_down` program of each column
-tile to finish (`_count_in`, an arrival counter of counters.py), or by one more launch
-(`_combine`: the quantized decode kernels, and COMBINE_IN_DOWN off). A router may have grouped the pairs
+atomic adds, so the result is deterministic) by one more launch (`_combine`). (Adding them
+in the last `_down` program of each column tile, counted in by counters.py, saved that
+launch yet measured no faster: benchmarks/README.md.) A router may have grouped the pairs
 already (route_triton's `route_window`: the router's logits, top-k and this grouping in
 one launch); `route` then skips `_route_pairs`. A decoding window of DeepSeek-V3 (k = 8
 of E = 256) thus launches 8 programs per column tile, not 256; a program of an expert
@@ -77,7 +77,6 @@ import triton
 import triton.language as tl
 
 from strata.layers import pdl
-from strata.layers.counters import MAX_COUNTERS, arrival_counters
 from strata.quant.formats import FORMATS
 from strata.quant.triton_quant import (GROUPS, ROW_TOKENS, _accumulate,
                                        _block_dot, _decode_block, _decode_group, _runs,
@@ -148,29 +147,6 @@ def _store_weighted(acc, out_ptr, weights_ptr, order_ptr, start, slot, slot_ok, 
 
 
 @triton.jit
-def _count_in(out_ptr, y_ptr, arrived_ptr, cols, col_ok, num_tokens, stride_ot,
-              TOP_K: tl.constexpr, T_PAD: tl.constexpr):
-    """After a down program's stores: it counts itself in at its column tile's counter
-    (counters.py), and the tile's last program to arrive adds up each token's k weighted
-    rows of out in order (fp32, as `_combine`) into y [T, H] in y's dtype at `cols`, then
-    sets the counter back to 0. NOTE: the barrier puts every thread's stores before the
-    counter's release; the last one reads them past L1 (.cg)."""
-    tl.debug_barrier()
-    counter = arrived_ptr + tl.program_id(1)
-    if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        t = tl.arange(0, T_PAD)
-        ok = (t < num_tokens)[:, None] & col_ok[None, :]
-        acc = tl.zeros([T_PAD, cols.shape[0]], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            acc += tl.load(out_ptr + (t * TOP_K + j).to(tl.int64)[:, None] * stride_ot
-                           + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-        dtype = y_ptr.dtype.element_ty
-        tl.store(y_ptr + t.to(tl.int64)[:, None] * stride_ot + cols[None, :],
-                 _rounded(acc, dtype).to(dtype), mask=ok)
-        tl.atomic_xchg(counter, 0)
-
-
-@triton.jit
 def _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr, num_cols,
                   BLOCK_N: tl.constexpr, CACHED: tl.constexpr):
     """This program's expert's row of the weights (grid axis 0 walks the listed experts;
@@ -223,13 +199,11 @@ def _gate_up(x_ptr, gate_ptr, up_ptr, h_ptr,           # [T, H], [E, I, H] x2, [
 
 @triton.jit
 def _down(h_ptr, down_ptr, weights_ptr, out_ptr,        # [T*k, I], [E, H, I], [T*k], [T*k, H]
-          y_ptr, arrived_ptr,                           # [T, H], counters
           listed_ptr, counts_ptr, starts_ptr, order_ptr, rows_ptr,
-          hidden, inter, num_tokens,
+          hidden, inter,
           stride_ht, stride_de, stride_dh, stride_ot,
           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          DOT_FP32: tl.constexpr, CACHED: tl.constexpr, TOP_K: tl.constexpr,
-          T_PAD: tl.constexpr, COMBINE: tl.constexpr, PDL: tl.constexpr):
+          DOT_FP32: tl.constexpr, CACHED: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         pdl.wait()
     row, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
@@ -250,9 +224,6 @@ def _down(h_ptr, down_ptr, weights_ptr, out_ptr,        # [T*k, I], [E, H, I], [
             pdl.release()
         _store_weighted(acc, out_ptr, weights_ptr, order_ptr, start, slot, slot_ok, cols,
                         col_ok, stride_ot)
-    if COMBINE:
-        _count_in(out_ptr, y_ptr, arrived_ptr, cols, col_ok, num_tokens, stride_ot, TOP_K,
-                  T_PAD)
 
 
 @triton.jit
@@ -307,14 +278,12 @@ def _gate_up_q(x_ptr, gate_ptr, up_ptr, h_ptr,        # [T, H], [E, I, bytes] u8
 
 @triton.jit
 def _down_q(h_ptr, down_ptr, weights_ptr, out_ptr,    # [T*k, I], [E, H, bytes] u8, [T*k], [T*k, H]
-            y_ptr, arrived_ptr,                        # [T, H], counters
             listed_ptr, counts_ptr, starts_ptr, order_ptr, rows_ptr,
-            hidden, down_groups, num_tokens,
+            hidden, down_groups,
             stride_ht, stride_de, stride_dh, stride_ot,
             FORMAT: tl.constexpr, C: tl.constexpr, HAS_OFFSET: tl.constexpr,
             BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
-            DOT_FP32: tl.constexpr, CACHED: tl.constexpr, TOP_K: tl.constexpr,
-            T_PAD: tl.constexpr, COMBINE: tl.constexpr, PDL: tl.constexpr):
+            DOT_FP32: tl.constexpr, CACHED: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         pdl.wait()
     row, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
@@ -331,9 +300,6 @@ def _down_q(h_ptr, down_ptr, weights_ptr, out_ptr,    # [T*k, I], [E, H, bytes] 
             pdl.release()
         _store_weighted(acc, out_ptr, weights_ptr, order_ptr, start, slot, slot_ok, cols,
                         col_ok, stride_ot)
-    if COMBINE:
-        _count_in(out_ptr, y_ptr, arrived_ptr, cols, col_ok, num_tokens, stride_ot, TOP_K,
-                  T_PAD)
 
 
 @triton.jit
@@ -541,25 +507,6 @@ def _combined(out: torch.Tensor, tokens: int, top_k: int, dtype: torch.dtype) ->
     return y
 
 
-COMBINE_IN_DOWN = True  # the down kernels' last program per column tile adds the rows up
-
-
-def _combining(out: torch.Tensor, tokens: int, top_k: int, dtype: torch.dtype,
-               tiles: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(y [T, H] in `dtype`, the counters, the down kernel's constexprs) for a down launch
-    of `tiles` column tiles that adds each token's k rows of out up itself (`_count_in`:
-    one launch fewer than `_combine`'s), where COMBINE_IN_DOWN; else `_finished` does."""
-    combine = COMBINE_IN_DOWN and tiles <= MAX_COUNTERS
-    y = torch.empty(tokens, out.shape[1], dtype=dtype, device=out.device)
-    return y, arrival_counters(out.device) if combine else y, dict(
-        TOP_K=top_k, T_PAD=triton.next_power_of_2(tokens), COMBINE=combine)
-
-
-def _finished(y: torch.Tensor, out: torch.Tensor, combine: dict) -> torch.Tensor:
-    """y, as the down launch left it: summed already, or by `_combine` now."""
-    return y if combine["COMBINE"] else _combined(out, y.shape[0], combine["TOP_K"], y.dtype)
-
-
 def _inner_contiguous(w: torch.Tensor) -> torch.Tensor:
     return w if w.stride(2) == 1 else w.contiguous()
 
@@ -692,14 +639,12 @@ def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
         inter, x.stride(0), gate_proj.stride(0), gate_proj.stride(1), up_proj.stride(0),
         up_proj.stride(1), h.stride(0), **gate_up_constants, CACHED=rows is not None,
         **pdl.constants(x.device), **launch)
-    tiles = triton.cdiv(hidden, down_constants["BLOCK_N"])
-    y, counters, combine = _combining(out, tokens, top_k, x.dtype, tiles)
-    _down[(listed.shape[0], tiles)](
-        h, down_proj, weights.reshape(-1).contiguous(), out, y, counters, listed, counts,
-        starts, order, cached, hidden, inter, tokens, h.stride(0), down_proj.stride(0),
-        down_proj.stride(1), out.stride(0), **down_constants, CACHED=rows is not None,
-        **combine, **pdl.constants(x.device), **launch)
-    return _finished(y, out, combine)
+    _down[(listed.shape[0], triton.cdiv(hidden, down_constants["BLOCK_N"]))](
+        h, down_proj, weights.reshape(-1).contiguous(), out, listed, counts, starts, order,
+        cached, hidden, inter, h.stride(0), down_proj.stride(0), down_proj.stride(1),
+        out.stride(0), **down_constants, CACHED=rows is not None, **pdl.constants(x.device),
+        **launch)
+    return _combined(out, tokens, top_k, x.dtype)
 
 
 def quantized_constants(tokens: int, dtype: torch.dtype, qtypes: tuple[str, str, str],
@@ -811,7 +756,6 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: tor
             x.stride(0), gate_blocks.stride(0), gate_blocks.stride(1), up_blocks.stride(0),
             up_blocks.stride(1), h.stride(0), **gate_up_rows, CACHED=rows is not None,
             **pdl.constants(x.device), num_warps=1)
-        # (its thousands of small programs: `_combine` adds the rows up, benchmarks/README.md)
         _down_q_rows[(listed.shape[0], triton.cdiv(hidden, Q_ROWS))](
             h, down_blocks, weights.reshape(-1).contiguous(), out, listed, counts, starts,
             order, cached, hidden, inter // FORMATS[down_qtype].block_values, h.stride(0),
@@ -826,11 +770,9 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: tor
         x.stride(0), gate_blocks.stride(0), gate_blocks.stride(1), up_blocks.stride(0),
         up_blocks.stride(1), h.stride(0), **gate_up_constants, CACHED=rows is not None,
         **pdl.constants(x.device), **launch)
-    tiles = triton.cdiv(hidden, down_constants["BLOCK_N"])
-    y, counters, combine = _combining(out, tokens, top_k, x.dtype, tiles)
-    _down_q[(listed.shape[0], tiles)](
-        h, down_blocks, weights.reshape(-1).contiguous(), out, y, counters, listed, counts,
-        starts, order, cached, hidden, inter // GROUPS[down_qtype][0], tokens, h.stride(0),
-        down_blocks.stride(0), down_blocks.stride(1), out.stride(0), **down_constants,
-        CACHED=rows is not None, **combine, **pdl.constants(x.device), **launch)
-    return _finished(y, out, combine)
+    _down_q[(listed.shape[0], triton.cdiv(hidden, down_constants["BLOCK_N"]))](
+        h, down_blocks, weights.reshape(-1).contiguous(), out, listed, counts, starts, order,
+        cached, hidden, inter // GROUPS[down_qtype][0], h.stride(0), down_blocks.stride(0),
+        down_blocks.stride(1), out.stride(0), **down_constants, CACHED=rows is not None,
+        **pdl.constants(x.device), **launch)
+    return _combined(out, tokens, top_k, x.dtype)
