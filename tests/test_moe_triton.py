@@ -337,12 +337,12 @@ def compile_offline(arch: int, tokens: int, dtype, hidden: int = 2048, inter: in
     def types(name: str) -> str:
         return ("*i32" if name in ("counts_ptr", "starts_ptr") else
                 "*i64" if name in ("listed_ptr", "order_ptr", "rows_ptr") else
-                "*fp32" if name == "out_ptr" else
+                "*fp32" if name in ("out_ptr", "logits_ptr") else
                 "*" + TRITON_TYPES[dtype] if name.endswith("_ptr") else "i32")
 
     cached = dict(CACHED=tokens > 1)  # an expert cache's rows table (decode: none)
     return [compile_kernel(kernel, arch, constants | cached, types, launch)
-            for kernel, constants in ((moe_triton._gate_up, gate_up),
+            for kernel, constants in ((moe_triton._gate_up, gate_up | moe_triton.UNCHOSEN),
                                       (moe_triton._down, down))]
 
 

@@ -209,6 +209,7 @@ def compile_offline(arch: int, qtypes: tuple[str, str, str], tokens: int, dtype,
     if tokens <= moe_triton.ROW_TOKENS:  # decode: the row kernels
         kernels = (moe_triton._gate_up_q_rows, moe_triton._down_q_rows)
         gate_up, down = moe_triton.quantized_row_constants(qtypes, hidden)
+        gate_up |= moe_triton.UNCHOSEN
         launch = dict(num_warps=1)
     else:
         kernels = (moe_triton._gate_up_q, moe_triton._down_q)
@@ -219,7 +220,7 @@ def compile_offline(arch: int, qtypes: tuple[str, str, str], tokens: int, dtype,
         return ("*u8" if name in ("gate_ptr", "up_ptr", "down_ptr") else
                 "*i32" if name in ("counts_ptr", "starts_ptr") else
                 "*i64" if name in ("listed_ptr", "order_ptr", "rows_ptr") else
-                "*fp32" if name == "out_ptr" else
+                "*fp32" if name in ("out_ptr", "logits_ptr") else
                 "*" + TRITON_TYPES[dtype] if name.endswith("_ptr") else "i32")
 
     cached = dict(CACHED=tokens > 1)  # an expert cache's rows table (decode: none)

@@ -3,7 +3,11 @@ x + attn(norm(x)), then h + mlp(norm(h)). The attention (or any token mixer that
 its state in the layer's cache) and the MLP are supplied by the architecture file. The
 first residual add and the norm after it are one fused step (strata/layers/fused.py);
 `forward_split` leaves the second add to whoever comes next (the next layer's input norm,
-or the final norm), so that it is fused with a norm too."""
+or the final norm), so that it is fused with a norm too. An MLP that can take the
+post-attention add and norm into its own first launch (NormingMLP: SparseMoE, with its
+router's logits) makes them itself."""
+
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -11,6 +15,16 @@ from torch import nn
 from strata.kvcache.cache import Cache
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.norm import RMSNorm
+
+
+@runtime_checkable
+class NormingMLP(Protocol):
+    """An MLP that makes the post-attention add and norm itself, where its first launch
+    can take them in (SparseMoE: with the router's logits)."""
+
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor,
+                         norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP of norm(x + residual), x + residual)."""
 
 
 class DecoderLayer(nn.Module):
@@ -25,6 +39,7 @@ class DecoderLayer(nn.Module):
                                                        # second registration
         self.post_attention_layernorm = norm(hidden, eps)
         self.mlp = mlp
+        self._mlp_norms = isinstance(mlp, NormingMLP)
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: Cache) -> torch.Tensor:
         out, h = self.forward_split(x, None, meta, cache)
@@ -40,5 +55,7 @@ class DecoderLayer(nn.Module):
         else:
             x, normed = self.input_layernorm.add_and_norm(x, residual)
         attn = self._mixer(normed, meta, cache)
+        if self._mlp_norms:
+            return self.mlp.add_norm_forward(attn, x, self.post_attention_layernorm)
         h, normed = self.post_attention_layernorm.add_and_norm(attn, x)  # h = x + attn
         return self.mlp(normed), h

@@ -22,6 +22,7 @@ from torch import nn
 
 from strata.layers.linear import LinearFactory, ParamSpec, with_spec
 from strata.layers.mlp import GatedMLP
+from strata.layers.norm import RMSNorm
 from strata.quant import triton_available
 
 FUSED_MAX_TOKENS = 32  # the fused path's largest window (decode and verify windows)
@@ -41,6 +42,43 @@ class SparseMoE(nn.Module):
     router = "auto"  # "torch", "triton" (route_triton.py) or "auto": triton on CUDA
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        return self._with_shared(x, self._routed(x))
+
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor,
+                         norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer on norm(x + residual): (its output, x + residual), the decoder's
+        post-attention add and norm made here (DecoderLayer). A one-token window on the
+        kernels' path takes one launch for the add, the norm and the router's logits
+        (route_triton's `norm_logits`) and none for the top-k and the grouping: every
+        program of the experts' gate and up kernel takes its expert from the logits
+        (moe_triton's RouterChoice). Other windows: the norm's own launch, then `forward`."""
+        router = self._router_chooses(x, norm)
+        if router is None:
+            h, normed = norm.add_and_norm(x, residual)
+            return self(normed), h
+        from strata.layers import moe_triton, route_triton
+        h, normed, logits = route_triton.norm_logits(x, residual, norm, router)
+        choice = moe_triton.RouterChoice(logits, self.top_k, self.norm_topk_prob)
+        return self._with_shared(normed, self.experts.chosen(normed, choice)), h
+
+    def _router_chooses(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor | None:
+        """The router's dense weight where the experts' kernel takes a one-token window's
+        top-k itself (`add_norm_forward`), else None. NOTE: dense experts only: quantized
+        experts' one-warp row kernels, ranking 128 experts in every program, decoded
+        Qwen3-30B-A3B's Q4_K shape slower than the routing launch (H100: 330 against 341
+        tok/s, benchmarks/README.md)."""
+        if x.shape[0] != 1 or self.experts.gate_proj.dtype == torch.uint8 or not (
+                self._kernel_routes(x) and self.experts.takes_route(x)
+                and norm.runs_kernel(x)):
+            return None
+        from strata.layers.route_triton import dense_router
+        return dense_router(self.gate, x)
+
+    def _with_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output plus what every token passes through (none here)."""
+        return routed
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         if self._kernel_routes(x):
             from strata.layers import route_triton
             if (x.shape[0] <= route_triton.WINDOW_TOKENS
@@ -84,9 +122,8 @@ class GatedSharedMoE(SparseMoE):
         self.shared_expert = GatedMLP(hidden, shared_intermediate, linear)
         self.shared_expert_gate = linear(hidden, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return super().forward(x) + shared
+    def _with_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 class GroupedTopKRouter(nn.Module):
@@ -225,6 +262,18 @@ class GroupedExperts(nn.Module):
             return moe_triton.fused_experts(x, experts, weights, self.gate_proj, self.up_proj,
                                             self.down_proj, route=route)
         return self.grouped(x, experts, weights)
+
+    def chosen(self, x: torch.Tensor, choice) -> torch.Tensor:
+        """`forward` of a one-token window (where `takes_route`) whose gate and up kernel
+        takes the top-k of the router's logits itself (moe_triton.RouterChoice)."""
+        from strata.layers import moe_triton
+        if self.gate_proj.dtype == torch.uint8:
+            return moe_triton.fused_experts_quantized(
+                x, None, None, *((w, w.qtype) for w in
+                                 (self.gate_proj, self.up_proj, self.down_proj)),
+                choice=choice)
+        return moe_triton.fused_experts(x, None, None, self.gate_proj, self.up_proj,
+                                        self.down_proj, choice=choice)
 
     def grouped(self, x: torch.Tensor, experts: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,14 @@ atomic adds, so the result is deterministic) by one more launch (`_combine`). (A
 in the last `_down` program of each column tile, counted in by counters.py, saved that
 launch yet measured no faster: benchmarks/README.md.) A router may have grouped the pairs
 already (route_triton's `route_window`: the router's logits, top-k and this grouping in
-one launch); `route` then skips `_route_pairs`. A decoding window of DeepSeek-V3 (k = 8
+one launch); `route` then skips `_route_pairs`. A one-token window needs no grouping
+launch at all (`choice`, RouterChoice): each program of its gate and up kernel takes the
+token's top-k of the router's logits itself (`_chosen_tile`: the same choice in every
+program, top_k_triton's `_choose`), program i serves the i-th chosen expert, whose one
+pair is pair i in slot i, and program (i, 0) writes what `_down` reads of the grouping
+and the weights. The decoder's post-attention norm and the router's matmul are then one
+launch before it (route_triton's `norm_logits`): H100, Qwen3-30B-A3B's shape in bf16,
+decode 279 -> 300 tok/s (benchmarks/README.md). A decoding window of DeepSeek-V3 (k = 8
 of E = 256) thus launches 8 programs per column tile, not 256; a program of an expert
 that no pair routes to (padding of the list) runs no step and reads no weight; one of an
 expert with more pairs than BLOCK_T (a token naming an expert twice) walks them BLOCK_T
@@ -72,11 +79,14 @@ dot/exp, casts and bitcasts); the kernels compile for SM86 and SM90
 
 # NOTE: no `from __future__ import annotations` here: triton reads the kernels'
 # `tl.constexpr` annotations as objects.
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from strata.layers import pdl
+from strata.layers.top_k_triton import _choose, _rounded
 from strata.quant.formats import FORMATS
 from strata.quant.triton_quant import (GROUPS, ROW_TOKENS, _accumulate,
                                        _block_dot, _decode_block, _decode_group, _runs,
@@ -104,17 +114,6 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
     if DOT_FP32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)
-
-
-@triton.jit
-def _rounded(v, dtype: tl.constexpr):
-    """fp32 `v` rounded to the nearest value of `dtype` (ties to even), kept in fp32.
-    NOTE: bf16 by hand: triton's interpreter truncates fp32 -> bf16 casts (triton 3.9)."""
-    if dtype == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return ((bits >> 16) << 16).to(tl.float32, bitcast=True)
-    return v.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -162,22 +161,78 @@ def _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr, num_cols,
 
 
 @triton.jit
+def _chosen_tile(logits_ptr, listed_ptr, counts_ptr, starts_ptr, order_ptr, weights_ptr,
+                 num_experts, num_cols, BLOCK_N: tl.constexpr, TOP_K: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RANKED: tl.constexpr,
+                 RENORMALISE: tl.constexpr):
+    """`_program_tile` of a one-token window whose pairs no launch grouped: the program
+    takes the token's top-k from its router logits [E] (top_k_triton's `_choose`, the
+    same in every program) and its expert is the i-th chosen (i: grid axis 0), with one
+    pair, i, in slot i. Program (i, 0) writes the grouping that `_down` reads (listed[i],
+    counts and starts of its expert, order[i] = i) and program (0, 0) the k weights, in
+    the weights' dtype: what route_triton's `route_window` would have written, but for
+    the listed experts' order (by rank, not id), which no sum depends on."""
+    e = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + e, mask=e < num_experts, other=-float("inf"))
+    experts, chosen = _choose(logits, e, TOP_K, BLOCK_E, BLOCK_K, RANKED, RENORMALISE)
+    i = tl.program_id(0)
+    j = tl.arange(0, BLOCK_K)
+    expert = tl.sum(tl.where(j == i, experts, 0), axis=0)
+    if tl.program_id(1) == 0:
+        tl.store(listed_ptr + i, expert.to(tl.int64))
+        tl.store(counts_ptr + expert, 1)
+        tl.store(starts_ptr + expert, i)
+        tl.store(order_ptr + i, i.to(tl.int64))
+        if i == 0:
+            dtype = weights_ptr.dtype.element_ty
+            tl.store(weights_ptr + j, _rounded(chosen, dtype).to(dtype), mask=j < TOP_K)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert.to(tl.int64), 1, i, cols, cols < num_cols
+
+
+@triton.jit
+def _gate_up_tile(listed_ptr, counts_ptr, starts_ptr, order_ptr, rows_ptr, logits_ptr,
+                  weights_ptr, num_experts, num_cols, BLOCK_N: tl.constexpr,
+                  CACHED: tl.constexpr, CHOOSE: tl.constexpr, TOP_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, RANKED: tl.constexpr,
+                  RENORMALISE: tl.constexpr):
+    """A gate and up kernel's tile: `_chosen_tile`'s where it CHOOSEs the experts, else
+    `_program_tile`'s."""
+    if CHOOSE:
+        row, count, start, cols, col_ok = _chosen_tile(
+            logits_ptr, listed_ptr, counts_ptr, starts_ptr, order_ptr, weights_ptr,
+            num_experts, num_cols, BLOCK_N, TOP_K, BLOCK_E, BLOCK_TOP, RANKED, RENORMALISE)
+    else:
+        row, count, start, cols, col_ok = _program_tile(
+            listed_ptr, counts_ptr, starts_ptr, rows_ptr, num_cols, BLOCK_N, CACHED)
+    return row, count, start, cols, col_ok
+
+
+@triton.jit
 def _gate_up(x_ptr, gate_ptr, up_ptr, h_ptr,           # [T, H], [E, I, H] x2, [T*k, I]
              listed_ptr, counts_ptr, starts_ptr, order_ptr, rows_ptr,  # [S], [E] x2, [T*k]
+             logits_ptr, weights_ptr, num_experts,   # CHOOSE: [E] fp32, [k] (written)
              top_k, hidden, inter,
              stride_xt, stride_ge, stride_gi, stride_ue, stride_ui, stride_ht,
              BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             DOT_FP32: tl.constexpr, CACHED: tl.constexpr, PDL: tl.constexpr):
+             DOT_FP32: tl.constexpr, CACHED: tl.constexpr, CHOOSE: tl.constexpr,
+             TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr,
+             RANKED: tl.constexpr, RENORMALISE: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         pdl.wait()
-    row, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
-                                                       inter, BLOCK_N, CACHED)  # cols: rows of I
+    row, count, start, cols, col_ok = _gate_up_tile(  # cols: rows of I
+        listed_ptr, counts_ptr, starts_ptr, order_ptr, rows_ptr, logits_ptr, weights_ptr,
+        num_experts, inter, BLOCK_N, CACHED, CHOOSE, TOP_K, BLOCK_E, BLOCK_TOP, RANKED,
+        RENORMALISE)
     gate = gate_ptr + row * stride_ge + cols.to(tl.int64)[None, :] * stride_gi
     up = up_ptr + row * stride_ue + cols.to(tl.int64)[None, :] * stride_ui
     for first in range(0, count, BLOCK_T):  # once, unless a token names an expert twice
         slot = first + tl.arange(0, BLOCK_T)
         slot_ok = slot < count
-        pair = tl.load(order_ptr + start + slot, mask=slot_ok, other=0)
+        if CHOOSE:  # the pair in slot i is pair i (one token)
+            pair = (start + slot).to(tl.int64)
+        else:
+            pair = tl.load(order_ptr + start + slot, mask=slot_ok, other=0)
         rows = x_ptr + (pair // top_k)[:, None] * stride_xt                # token rows
         acc_g = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
@@ -350,24 +405,32 @@ def _pair_dots(gate_ptr, gate, up_ptr, up, x_row, num_blocks, FORMAT: tl.constex
 @triton.jit
 def _gate_up_q_rows(x_ptr, gate_ptr, up_ptr, h_ptr,   # [T, H], [E, I, bytes] u8 x2, [T*k, I]
                     listed_ptr, counts_ptr, starts_ptr, order_ptr, rows_ptr,
+                    logits_ptr, weights_ptr, num_experts,  # CHOOSE: as _gate_up's
                     top_k, inter, gate_blocks, up_blocks,
                     stride_xt, stride_ge, stride_gi, stride_ue, stride_ui, stride_ht,
                     GATE_FORMAT: tl.constexpr, GATE_G: tl.constexpr, GATE_C: tl.constexpr,
                     GATE_BYTES: tl.constexpr, GATE_VALUES: tl.constexpr,
                     UP_FORMAT: tl.constexpr, UP_G: tl.constexpr, UP_C: tl.constexpr,
                     UP_BYTES: tl.constexpr, UP_VALUES: tl.constexpr, ROWS: tl.constexpr,
-                    UNROLL: tl.constexpr, CACHED: tl.constexpr, PDL: tl.constexpr):
+                    UNROLL: tl.constexpr, CACHED: tl.constexpr, CHOOSE: tl.constexpr,
+                    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr,
+                    RANKED: tl.constexpr, RENORMALISE: tl.constexpr, PDL: tl.constexpr):
     """A window of a few tokens: ROWS rows of I of one expert, each pair in turn, the
     blocks walked whole (the pairs of one expert re-read its rows: from L2)."""
     if PDL:
         pdl.wait()
-    row, count, start, rows, row_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
-                                                       inter, ROWS, CACHED)
+    row, count, start, rows, row_ok = _gate_up_tile(
+        listed_ptr, counts_ptr, starts_ptr, order_ptr, rows_ptr, logits_ptr, weights_ptr,
+        num_experts, inter, ROWS, CACHED, CHOOSE, TOP_K, BLOCK_E, BLOCK_TOP, RANKED,
+        RENORMALISE)
     safe = tl.where(row_ok, rows, 0).to(tl.int64)
     gate = row * stride_ge + safe * stride_gi
     up = row * stride_ue + safe * stride_ui
     for s in range(0, count):
-        pair = tl.load(order_ptr + start + s)
+        if CHOOSE:  # the pair in slot i is pair i (one token)
+            pair = start + s
+        else:
+            pair = tl.load(order_ptr + start + s)
         x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
         if GATE_FORMAT == UP_FORMAT:  # walked together
             g, u = _pair_dots(gate_ptr, gate, up_ptr, up, x_row, gate_blocks, GATE_FORMAT,
@@ -430,11 +493,15 @@ def kernel_constants(tokens: int, hidden: int, inter: int, dtype: torch.dtype,
                                                             num_stages=stages)
 
 
-def _check_window(x, experts, weights, caller: str) -> None:
-    """The window's checks, shared by both launchers (`caller` names the one in errors)."""
+def _check_x(x) -> None:
     if x.dim() != 2 or x.dtype not in DTYPES:
         raise ValueError(f"x must be a 2-D float32, bfloat16 or float16 tensor [tokens, "
                          f"hidden], not {x.dtype} of shape {tuple(x.shape)}")
+
+
+def _check_window(x, experts, weights, caller: str) -> None:
+    """The window's checks, shared by both launchers (`caller` names the one in errors)."""
+    _check_x(x)
     tokens = x.shape[0]
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"{caller} takes 1 to {MAX_TOKENS} tokens, not {tokens}")
@@ -454,8 +521,9 @@ def _check_window(x, experts, weights, caller: str) -> None:
             raise ValueError(f"x is on {x.device} but {name} on {t.device}")
 
 
-def _check(x, experts, weights, gate_proj, up_proj, down_proj) -> None:
-    _check_window(x, experts, weights, "fused_experts")
+def _check(x, gate_proj, up_proj, down_proj) -> None:
+    """fused_experts' weights against x (the window's routing: `_routing`)."""
+    _check_x(x)
     hidden = x.shape[1]
     for name, w in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
         if w.dim() != 3 or w.dtype != x.dtype:
@@ -606,10 +674,62 @@ def grouping_constants(pairs: int, num_experts: int) -> dict:
                 EXPERTS=max(16, triton.next_power_of_2(num_experts)), CHUNK=ROUTE_CHUNK)
 
 
-def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+@dataclass(frozen=True)
+class RouterChoice:
+    """A one-token window's routing left to the gate and up kernel (`_chosen_tile`): the
+    router's logits [1, E] (float32, rounded as its matmul writes them: route_triton's
+    `norm_logits`) and the softmax top-k to take of them (as route_triton's
+    `softmax_top_k` would), so that no launch runs between the logits and the experts."""
+    logits: torch.Tensor
+    top_k: int
+    renormalise: bool
+
+
+UNCHOSEN = dict(CHOOSE=False, TOP_K=1, BLOCK_E=16, BLOCK_TOP=2, RANKED=False,
+                RENORMALISE=False)  # the gate and up kernels' CHOOSE constexprs, unused
+
+
+def _routing(x: torch.Tensor, experts, weights, num_experts: int, route, choice,
+             rows, caller: str):
+    """What both launchers' kernels take of the routing: (route's four tensors, the
+    weights [T*k], top_k, the gate and up kernel's CHOOSE arguments (logits, weights to
+    write, experts) and constexprs). Without a `choice`, `route` or a `_route` launch
+    groups the given experts; with one, the gate and up kernel chooses and groups."""
+    if choice is None:
+        _check_window(x, experts, weights, caller)
+        route = route or _route(experts, num_experts)
+        return (route, weights.reshape(-1).contiguous(), experts.shape[1],
+                (route[0], route[0], 0), UNCHOSEN)
+    from strata.layers import route_triton
+    logits, top_k = choice.logits, choice.top_k
+    if x.shape[0] != 1:
+        raise ValueError(f"{caller} chooses the experts of a one-token window only, not of "
+                         f"{x.shape[0]} tokens")
+    if logits.shape != (1, num_experts) or logits.dtype != torch.float32 or (
+            logits.device != x.device):
+        raise ValueError(f"the router's logits must be float32 [1, {num_experts}] on "
+                         f"{x.device}, not {logits.dtype} {tuple(logits.shape)} on "
+                         f"{logits.device}")
+    if not (route_triton.takes(num_experts, top_k) and top_k <= MAX_TOP_K):
+        raise ValueError(f"{caller} chooses a top-k of 1 to {MAX_TOP_K}, not {top_k} of "
+                         f"{num_experts} experts")
+    if rows is not None or route is not None:
+        raise ValueError(f"{caller} chooses the experts only of the layer's own weights, "
+                         f"grouped by itself (no rows table, no route)")
+    sizes = route_triton._sizes(num_experts, top_k)
+    chosen = torch.empty(top_k, dtype=x.dtype, device=x.device)
+    route = route_buffers(top_k, num_experts, x.device)
+    return (route, chosen, top_k, (logits, chosen, num_experts),
+            dict(CHOOSE=True, TOP_K=top_k, BLOCK_E=sizes["BLOCK_E"],
+                 BLOCK_TOP=sizes["BLOCK_K"], RANKED=sizes["RANKED"],
+                 RENORMALISE=choice.renormalise))
+
+
+def fused_experts(x: torch.Tensor, experts: torch.Tensor | None, weights: torch.Tensor | None,
                   gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
                   rows: torch.Tensor | None = None, usage: torch.Tensor | None = None,
-                  route: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                  route: tuple[torch.Tensor, ...] | None = None,
+                  choice: RouterChoice | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, j], for
     x [T, H] (1 <= T <= 32; float32, bfloat16 or float16), experts [T, k] (int64 or
     int32 ids in 0..E-1, 1 <= k <= 10), weights [T, k] (any float dtype), gate_proj and
@@ -619,28 +739,31 @@ def fused_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
     may lie outside them (an expert kept in host memory: the row's address, relative to
     each projection's first row, is where its bytes are); `usage` (int32 [E]) then gains
     each expert's pair count. `route`: the pairs already grouped (`_route`'s four
-    tensors, as route_triton's `route_window` writes them with the experts)."""
-    _check(x, experts, weights, gate_proj, up_proj, down_proj)
+    tensors, as route_triton's `route_window` writes them with the experts). `choice`
+    (experts and weights None): a one-token window whose gate and up kernel takes the
+    top-k of the router's logits itself (RouterChoice)."""
+    _check(x, gate_proj, up_proj, down_proj)
     tokens, hidden = x.shape
-    top_k = experts.shape[1]
     num_experts, inter = (len(rows) if rows is not None else gate_proj.shape[0],
                           gate_proj.shape[1])
+    route, weights, top_k, choose, choose_constants = _routing(
+        x, experts, weights, num_experts, route, choice, rows, "fused_experts")
+    counts, starts, order, listed = route
     pairs = tokens * top_k
     x = x.contiguous()
     gate_proj, up_proj, down_proj = map(_inner_contiguous, (gate_proj, up_proj, down_proj))
-    counts, starts, order, listed = route or _route(experts, num_experts)
     cached = _note_usage(rows, usage, counts)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     gate_up_constants, down_constants, launch = kernel_constants(
         tokens, hidden, inter, x.dtype, x.device.type)
     _gate_up[(listed.shape[0], triton.cdiv(inter, gate_up_constants["BLOCK_N"]))](
-        x, gate_proj, up_proj, h, listed, counts, starts, order, cached, top_k, hidden,
-        inter, x.stride(0), gate_proj.stride(0), gate_proj.stride(1), up_proj.stride(0),
-        up_proj.stride(1), h.stride(0), **gate_up_constants, CACHED=rows is not None,
-        **pdl.constants(x.device), **launch)
+        x, gate_proj, up_proj, h, listed, counts, starts, order, cached, *choose, top_k,
+        hidden, inter, x.stride(0), gate_proj.stride(0), gate_proj.stride(1),
+        up_proj.stride(0), up_proj.stride(1), h.stride(0), **gate_up_constants,
+        CACHED=rows is not None, **choose_constants, **pdl.constants(x.device), **launch)
     _down[(listed.shape[0], triton.cdiv(hidden, down_constants["BLOCK_N"]))](
-        h, down_proj, weights.reshape(-1).contiguous(), out, listed, counts, starts, order,
+        h, down_proj, weights, out, listed, counts, starts, order,
         cached, hidden, inter, h.stride(0), down_proj.stride(0), down_proj.stride(1),
         out.stride(0), **down_constants, CACHED=rows is not None, **pdl.constants(x.device),
         **launch)
@@ -706,24 +829,25 @@ def _check_inner(name: str, qtype: str, values: int, size: int, what: str) -> No
         raise ValueError(f"{name}'s rows hold {values} values but the {what} is {size}")
 
 
-def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor | None,
+                            weights: torch.Tensor | None,
                             gate: tuple[torch.Tensor, str], up: tuple[torch.Tensor, str],
                             down: tuple[torch.Tensor, str],
                             rows: torch.Tensor | None = None,
                             usage: torch.Tensor | None = None,
-                            route: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                            route: tuple[torch.Tensor, ...] | None = None,
+                            choice: RouterChoice | None = None) -> torch.Tensor:
     """`fused_experts` with quantized experts: gate, up and down each a pair (blocks,
     qtype) of a format of strata/quant/formats.py (each its own), gate and up blocks
     uint8 [E, I, row bytes of H], down blocks uint8 [E, H, row bytes of I], as the GGUF
     file stores them -> [T, H] in x's dtype: what `GroupedExperts.forward` computes with
     the experts dequantized, without a host sync. H and I must be whole blocks of their
     formats (multiples of 256 for the K-quants, 32 for Q8_0 and Q4_x). `rows`, `usage`
-    and `route` are `fused_experts`' (a cache's slots, experts kept in host memory; the
-    pairs already grouped)."""
+    `route` and `choice` are `fused_experts`' (a cache's slots, experts kept in host
+    memory; the pairs already grouped; the top-k left to the gate and up kernel)."""
     caller = "fused_experts_quantized"
-    _check_window(x, experts, weights, caller)
+    _check_x(x)
     tokens, hidden = x.shape
-    top_k = experts.shape[1]
     gate_blocks, gate_qtype, gate_values = _quantized("gate", gate, x)
     up_blocks, up_qtype, up_values = _quantized("up", up, x)
     down_blocks, down_qtype, down_values = _quantized("down", down, x)
@@ -740,10 +864,12 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: tor
     _check_inner("up", up_qtype, up_values, hidden, "hidden size")
     _check_inner("down", down_qtype, down_values, inter, "intermediate size")
 
+    route, weights, top_k, choose, choose_constants = _routing(
+        x, experts, weights, len(rows) if rows is not None else num_experts, route, choice,
+        rows, caller)
+    counts, starts, order, listed = route
     pairs = tokens * top_k
     x = x.contiguous()
-    counts, starts, order, listed = route or _route(
-        experts, len(rows) if rows is not None else num_experts)
     cached = _note_usage(rows, usage, counts)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
@@ -751,13 +877,15 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: tor
         gate_up_rows, down_rows = quantized_row_constants((gate_qtype, up_qtype, down_qtype),
                                                           hidden)
         _gate_up_q_rows[(listed.shape[0], triton.cdiv(inter, Q_ROWS))](
-            x, gate_blocks, up_blocks, h, listed, counts, starts, order, cached, top_k, inter,
-            hidden // FORMATS[gate_qtype].block_values, hidden // FORMATS[up_qtype].block_values,
-            x.stride(0), gate_blocks.stride(0), gate_blocks.stride(1), up_blocks.stride(0),
-            up_blocks.stride(1), h.stride(0), **gate_up_rows, CACHED=rows is not None,
+            x, gate_blocks, up_blocks, h, listed, counts, starts, order, cached, *choose,
+            top_k, inter, hidden // FORMATS[gate_qtype].block_values,
+            hidden // FORMATS[up_qtype].block_values, x.stride(0), gate_blocks.stride(0),
+            gate_blocks.stride(1), up_blocks.stride(0), up_blocks.stride(1), h.stride(0),
+            **gate_up_rows, CACHED=rows is not None,
+            **(choose_constants | dict(RANKED=False)),  # one warp: k rounds, not E^2 pairs
             **pdl.constants(x.device), num_warps=1)
         _down_q_rows[(listed.shape[0], triton.cdiv(hidden, Q_ROWS))](
-            h, down_blocks, weights.reshape(-1).contiguous(), out, listed, counts, starts,
+            h, down_blocks, weights, out, listed, counts, starts,
             order, cached, hidden, inter // FORMATS[down_qtype].block_values, h.stride(0),
             down_blocks.stride(0), down_blocks.stride(1), out.stride(0), **down_rows,
             CACHED=rows is not None, **pdl.constants(x.device), num_warps=1)
@@ -771,7 +899,7 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor, weights: tor
         up_blocks.stride(1), h.stride(0), **gate_up_constants, CACHED=rows is not None,
         **pdl.constants(x.device), **launch)
     _down_q[(listed.shape[0], triton.cdiv(hidden, down_constants["BLOCK_N"]))](
-        h, down_blocks, weights.reshape(-1).contiguous(), out, listed, counts, starts, order,
+        h, down_blocks, weights, out, listed, counts, starts, order,
         cached, hidden, inter // GROUPS[down_qtype][0], h.stride(0), down_blocks.stride(0),
         down_blocks.stride(1), out.stride(0), **down_constants, CACHED=rows is not None,
         **pdl.constants(x.device), **launch)

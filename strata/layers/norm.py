@@ -21,7 +21,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._triton(x):
+        if self.runs_kernel(x):
             from strata.layers import norm_triton
             return norm_triton.rms_norm(x, self.weight, self.eps, None, self.one_plus)
         return rms_norm(x, self._scale(), self.eps)
@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
     def add_and_norm(self, x: torch.Tensor,
                      residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, this norm of it): one kernel where compiled or on triton's path."""
-        if self._triton(x):
+        if self.runs_kernel(x):
             from strata.layers import norm_triton
             return norm_triton.rms_norm(x, self.weight, self.eps, residual, self.one_plus)
         return add_rms_norm(x, residual, self._scale(), self.eps)
@@ -37,7 +37,9 @@ class RMSNorm(nn.Module):
     def _scale(self) -> torch.Tensor:
         return 1.0 + self.weight if self.one_plus else self.weight
 
-    def _triton(self, x: torch.Tensor) -> bool:
+    def runs_kernel(self, x: torch.Tensor) -> bool:
+        """Does norm_triton's kernel norm `x` (the path, the device, the shapes)? A fused
+        kernel that norms in its own launch (route_triton's `norm_logits`) asks it too."""
         if self.path == "torch" or (self.path == "auto"
                                     and not (x.is_cuda and triton_available())):
             return False

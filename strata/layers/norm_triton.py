@@ -28,6 +28,20 @@ MAX_HIDDEN = 16384  # a row is one program's block
 
 
 @triton.jit
+def _normed(x, w, hidden, eps, ONE_PLUS: tl.constexpr):
+    """Rows x [R, BLOCK] (zeros past `hidden`) normalised and scaled by w [BLOCK], in x's
+    dtype, rounded where fused.py's PyTorch rounds: the normalised rows before the weight,
+    the weight's product, a zero-centred norm's weight (1 + w). route_triton's norm and
+    router kernel calls it too."""
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    scale = tl.rsqrt(tl.sum(x * x, axis=1) / hidden + eps)
+    if ONE_PLUS:
+        w = (1.0 + w.to(tl.float32)).to(dtype)
+    return (w.to(tl.float32)[None, :] * (x * scale[:, None]).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _rms_norm(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr,   # [T, H] x4 (sum: x + res), [H]
               hidden, stride_x, stride_r, eps,
               BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, ONE_PLUS: tl.constexpr,
@@ -47,12 +61,8 @@ def _rms_norm(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr,   # [T, H] x4 (sum: x + r
         pdl.release()
     if RESIDUAL:
         tl.store(sum_ptr + t * hidden + i, x, mask=ok)
-    x = x.to(tl.float32)
-    scale = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    if ONE_PLUS:
-        w = (1.0 + w.to(tl.float32)).to(dtype)
-    y = w.to(tl.float32) * (x * scale).to(dtype).to(tl.float32)
-    tl.store(out_ptr + t * hidden + i, y.to(dtype), mask=ok)
+    y = _normed(x.to(dtype)[None, :], w, hidden, eps, ONE_PLUS)
+    tl.store(out_ptr + t * hidden + i[None, :], y, mask=ok[None, :])
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

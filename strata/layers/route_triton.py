@@ -21,6 +21,12 @@ groups the pairs (moe_triton's `_group_pairs`) for the fused kernels. A router k
 quantized (or with a bias, or in another dtype than x) computes its logits first; then
 the launch is that last program alone.
 
+`norm_logits`: the decoder's post-attention residual add and norm (norm_triton's
+arithmetic) and the router's logits of the normed rows, in one launch of a few programs,
+each norming the rows and multiplying NORM_LOGIT_EXPERTS router rows. A one-token
+window's fused experts take their top-k of those logits in their own first kernel
+(moe_triton's RouterChoice, SparseMoE.add_norm_forward): no launch routes it at all.
+
 NOTE: no host sync and shapes that follow (T, E, k) only: captured in CUDA graphs. The
 counter is one of counters.py's (zero between launches: the last program sets it back).
 """
@@ -32,7 +38,9 @@ import triton
 import triton.language as tl
 
 from strata.layers import moe_triton, pdl
-from strata.layers.moe_triton import _group_pairs, _rounded
+from strata.layers.norm_triton import _normed
+from strata.layers.moe_triton import _group_pairs
+from strata.layers.top_k_triton import _rounded
 from strata.layers.counters import arrival_counters
 
 MAX_EXPERTS = 1024
@@ -40,6 +48,7 @@ MAX_TOP_K = 16
 WINDOW_TOKENS = 4  # SparseMoE's windows of up to this many tokens take `route_window`
 ROUTER_VALUES = 4096  # router weights x tokens a program multiplies per step
 RANKED_PAIRS = 16384  # rows x experts^2 up to which the top-k compares all pairs at once
+NORM_LOGIT_EXPERTS = 4  # router rows a program of `_norm_logits` multiplies
 
 
 @triton.jit
@@ -186,6 +195,43 @@ def _route_window(x_ptr, router_ptr, logits_ptr, weights_ptr, experts_ptr,
                          num_tokens * TOP_K, num_experts, num_listed, PAIRS, BLOCK_E, CHUNK)
 
 
+@triton.jit
+def _norm_logits(x_ptr, res_ptr, norm_ptr, router_ptr, sum_ptr, normed_ptr, logits_ptr,
+                 num_tokens, hidden, num_experts, stride_x, stride_r, stride_re, eps,
+                 T_PAD: tl.constexpr, BLOCK_H: tl.constexpr, EXPERTS: tl.constexpr,
+                 ONE_PLUS: tl.constexpr, PDL: tl.constexpr):
+    """Program p: the rows x + res normalised (norm_triton's `_normed`: program 0 stores
+    the sum and the normed rows), then the router's logits of its EXPERTS experts for
+    every token (fp32 sums rounded to x's dtype, as the matmul writes them)."""
+    if PDL:
+        pdl.wait()
+    t = tl.arange(0, T_PAD)
+    i = tl.arange(0, BLOCK_H)
+    ok = (t < num_tokens)[:, None] & (i < hidden)[None, :]
+    dtype = normed_ptr.dtype.element_ty
+    x = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x + i[None, :], mask=ok, other=0.0)
+    res = tl.load(res_ptr + t.to(tl.int64)[:, None] * stride_r + i[None, :], mask=ok,
+                  other=0.0)
+    w = tl.load(norm_ptr + i, mask=i < hidden, other=0.0)
+    e = tl.program_id(0) * EXPERTS + tl.arange(0, EXPERTS)
+    e_ok = e < num_experts
+    router = tl.load(router_ptr + e.to(tl.int64)[:, None] * stride_re + i[None, :],
+                     mask=e_ok[:, None] & (i < hidden)[None, :], other=0.0).to(tl.float32)
+    if PDL:
+        pdl.release()
+    total = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
+    normed = _normed(total, w, hidden, eps, ONE_PLUS)                   # [T_PAD, BLOCK_H]
+    rows = t.to(tl.int64)[:, None] * hidden + i[None, :]
+    if tl.program_id(0) == 0:
+        tl.store(sum_ptr + rows, total, mask=ok)
+        tl.store(normed_ptr + rows, normed, mask=ok)
+    for token in tl.static_range(T_PAD):
+        row = tl.sum(tl.where(t[:, None] == token, normed.to(tl.float32), 0.0), axis=0)
+        logit = _rounded(tl.sum(router * row[None, :], axis=1), dtype)  # [EXPERTS]
+        tl.store(logits_ptr + token * num_experts + e, logit,
+                 mask=e_ok & (e * 0 + token < num_tokens))
+
+
 def takes(num_experts: int, top_k: int) -> bool:
     """Do the kernels route top-k of this many experts?"""
     return 1 <= top_k <= min(num_experts, MAX_TOP_K) and num_experts <= MAX_EXPERTS
@@ -223,7 +269,7 @@ def softmax_top_k(logits: torch.Tensor, top_k: int, renormalise: bool,
     return weights, experts
 
 
-def _dense_router(gate: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+def dense_router(gate: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """The router's weight [E, H] if the kernel multiplies it (dense in x's dtype, no
     bias), else None (then its own forward computes the logits)."""
     w = gate.weight
@@ -231,6 +277,30 @@ def _dense_router(gate: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None
             and w.shape[1] == x.shape[1] and w.stride(1) == 1 and w.device == x.device):
         return w
     return None
+
+
+def norm_logits(x: torch.Tensor, residual: torch.Tensor, norm, router: torch.Tensor):
+    """(x + residual, `norm` of it, the router's logits of that [T, E] in float32) for a
+    window of up to WINDOW_TOKENS tokens in one launch, where norm_triton's kernel and the
+    router's matmul take two: `norm` an RMSNorm (its weight, eps and `one_plus`), `router`
+    the dense weight [E, H] that `dense_router` gives."""
+    tokens, hidden = x.shape
+    num_experts = router.shape[0]
+    if not 1 <= tokens <= WINDOW_TOKENS:
+        raise ValueError(f"norm_logits takes 1 to {WINDOW_TOKENS} tokens, not {tokens}")
+    x, residual = x.contiguous(), residual.contiguous()
+    total = torch.empty_like(x)
+    normed = torch.empty_like(x)
+    logits = torch.empty(tokens, num_experts, dtype=torch.float32, device=x.device)
+    block_h = triton.next_power_of_2(hidden)
+    experts = min(triton.next_power_of_2(num_experts), NORM_LOGIT_EXPERTS)
+    _norm_logits[(triton.cdiv(num_experts, experts),)](
+        x, residual, norm.weight, router, total, normed, logits, tokens, hidden, num_experts,
+        x.stride(0), residual.stride(0), router.stride(0), norm.eps,
+        T_PAD=triton.next_power_of_2(tokens), BLOCK_H=block_h, EXPERTS=experts,
+        ONE_PLUS=norm.one_plus, **pdl.constants(x.device),
+        num_warps=min(8, max(1, block_h // 256)))
+    return total, normed, logits
 
 
 def route_window(x: torch.Tensor, gate: torch.nn.Module, top_k: int, renormalise: bool):
@@ -246,7 +316,7 @@ def route_window(x: torch.Tensor, gate: torch.nn.Module, top_k: int, renormalise
                          f"{tokens}")
     device = x.device
     x = x.contiguous()
-    router = _dense_router(gate, x)
+    router = dense_router(gate, x)
     if router is None:
         logits = gate(x).float()
     else:
