@@ -119,6 +119,21 @@ def test_norm_logits_equals_the_norm_then_the_router(dtype, tokens, kind, num_ex
     torch.testing.assert_close(total.float(), ref_total.float(), rtol=step, atol=0)
 
 
+@torch.no_grad()
+def test_norm_logits_of_wide_rows_take_one_router_row_a_program(monkeypatch):
+    """Rows of 8192 values: a program holds one router row (NORM_LOGIT_VALUES), and the
+    logits are still every expert's."""
+    launches = []
+    real = route_triton._norm_logits.__getitem__
+    monkeypatch.setattr(type(route_triton._norm_logits), "__getitem__",
+                        lambda self, grid: launches.append(grid) or real(grid))
+    norm, router = norm_of(RMSNorm, 8192, torch.float32, seed=3), 0.01 * torch.randn(3, 8192)
+    x, residual = window(1, 8192, seed=7), window(1, 8192, seed=8)
+    _, normed, logits = route_triton.norm_logits(x, residual, norm, router)
+    assert launches == [(3,)]
+    torch.testing.assert_close(logits, normed @ router.T, rtol=1e-5, atol=1e-5)
+
+
 def kernel_paths(monkeypatch) -> None:
     """The paths a CUDA stage takes (here in the interpreter): the norms' kernel, the
     routing kernels and the fused experts."""
@@ -206,8 +221,9 @@ def test_bad_choices_are_clear_errors():
 
 def _compile(arch: int) -> list[int]:
     """The choosing gate and up kernels (dense bf16 of Qwen3-30B-A3B's shape, ranks;
-    Q4_K of 512 experts, rounds) and `norm_logits`' kernel (hidden 2048, one and four
-    tokens), as launched on a GPU of compute capability `arch`: their shared memory."""
+    Q4_K of 512 experts, rounds) and `norm_logits`' kernel (hidden 2048 at one and four
+    tokens, 8192 at one: one router row a program), as launched on a GPU of compute
+    capability `arch`: their shared memory."""
     gate_up, _, launch = moe_triton.kernel_constants(1, 2048, 768, torch.bfloat16)
     rows, _ = moe_triton.quantized_row_constants(("Q4_K", "Q4_K", "Q6_K"), 2048)
 
@@ -231,11 +247,12 @@ def _compile(arch: int) -> list[int]:
                        launch),
         compile_kernel(moe_triton._gate_up_q_rows, arch, rows | choosing(512, 10), types,
                        dict(num_warps=1))]
-    for tokens in (1, 4):
+    for tokens, hidden in ((1, 2048), (4, 2048), (1, 8192)):
         kernels.append(compile_kernel(
             route_triton._norm_logits, arch,
-            dict(T_PAD=tokens, BLOCK_H=2048, EXPERTS=route_triton.NORM_LOGIT_EXPERTS,
-                 ONE_PLUS=False),
+            dict(T_PAD=tokens, BLOCK_H=hidden, ONE_PLUS=False,
+                 EXPERTS=min(route_triton.NORM_LOGIT_EXPERTS,
+                             route_triton.NORM_LOGIT_VALUES // hidden)),
             lambda name: "*fp32" if name == "logits_ptr" else
             "*bf16" if name.endswith("_ptr") else "fp32" if name == "eps" else "i32",
             dict(num_warps=8)))
@@ -244,4 +261,4 @@ def _compile(arch: int) -> list[int]:
 
 def test_the_kernels_compile_for_rtx3090_and_h200(tmp_path):
     code = "from test_moe_chosen import _compile\nprint(*_compile(arch))"
-    assert len(offline_compiled(code, tmp_path)) == 2 * 4
+    assert len(offline_compiled(code, tmp_path)) == 2 * 5

@@ -48,7 +48,8 @@ MAX_TOP_K = 16
 WINDOW_TOKENS = 4  # SparseMoE's windows of up to this many tokens take `route_window`
 ROUTER_VALUES = 4096  # router weights x tokens a program multiplies per step
 RANKED_PAIRS = 16384  # rows x experts^2 up to which the top-k compares all pairs at once
-NORM_LOGIT_EXPERTS = 4  # router rows a program of `_norm_logits` multiplies
+NORM_LOGIT_EXPERTS = 4  # router rows a program of `_norm_logits` multiplies, at most
+NORM_LOGIT_VALUES = 8192  # ... and at most this many router values
 
 
 @triton.jit
@@ -293,7 +294,9 @@ def norm_logits(x: torch.Tensor, residual: torch.Tensor, norm, router: torch.Ten
     normed = torch.empty_like(x)
     logits = torch.empty(tokens, num_experts, dtype=torch.float32, device=x.device)
     block_h = triton.next_power_of_2(hidden)
-    experts = min(triton.next_power_of_2(num_experts), NORM_LOGIT_EXPERTS)
+    # NOTE: a program holds EXPERTS router rows of BLOCK_H in fp32: fewer for wide rows
+    experts = min(triton.next_power_of_2(num_experts), NORM_LOGIT_EXPERTS,
+                  max(1, NORM_LOGIT_VALUES // block_h))
     _norm_logits[(triton.cdiv(num_experts, experts),)](
         x, residual, norm.weight, router, total, normed, logits, tokens, hidden, num_experts,
         x.stride(0), residual.stride(0), router.stride(0), norm.eps,
