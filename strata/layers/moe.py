@@ -66,7 +66,8 @@ class SparseMoE(nn.Module):
         top-k itself (`add_norm_forward`), else None. NOTE: dense experts only: quantized
         experts' one-warp row kernels, ranking 128 experts in every program, decoded
         Qwen3-30B-A3B's Q4_K shape slower than the routing launch (H100: 330 against 341
-        tok/s, benchmarks/README.md)."""
+        tok/s, benchmarks/README.md); their choice in k rounds instead
+        (`fused_experts_quantized(..., choice=...)`) is built and tested, not yet timed."""
         if x.shape[0] != 1 or self.experts.gate_proj.dtype == torch.uint8 or not (
                 self._kernel_routes(x) and self.experts.takes_route(x)
                 and norm.runs_kernel(x)):
