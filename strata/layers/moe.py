@@ -59,7 +59,7 @@ class SparseMoE(nn.Module):
         from strata.layers import moe_triton, route_triton
         h, normed, logits = route_triton.norm_logits(x, residual, norm, router)
         choice = moe_triton.RouterChoice(logits, self.top_k, self.norm_topk_prob)
-        return self._with_shared(normed, self.experts.chosen(normed, choice)), h
+        return self._with_shared(normed, self.experts(normed, None, None, choice=choice)), h
 
     def _router_chooses(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor | None:
         """The router's dense weight where the experts' kernel takes a one-token window's
@@ -245,9 +245,12 @@ class GroupedExperts(nn.Module):
         `route_window`)? The fused path over the layer's own weights (no expert cache)."""
         return self.offload is None and self._path(x) == "fused"
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                route: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """`route`: the pairs grouped by expert already (where `takes_route`)."""
+    def forward(self, x: torch.Tensor, experts: torch.Tensor | None,
+                weights: torch.Tensor | None, route: tuple[torch.Tensor, ...] | None = None,
+                choice=None) -> torch.Tensor:
+        """`route`: the pairs grouped by expert already (where `takes_route`). `choice`
+        (experts and weights None; a one-token window where `takes_route`): the fused
+        kernels take the top-k of the router's logits themselves (moe_triton.RouterChoice)."""
         if self.offload is not None:
             self.offload.before(x)
         path = self._path(x)
@@ -259,22 +262,10 @@ class GroupedExperts(nn.Module):
                 return moe_triton.fused_experts_quantized(
                     x, experts, weights, *((w, w.qtype) for w in
                                            (self.gate_proj, self.up_proj, self.down_proj)),
-                    route=route)
+                    route=route, choice=choice)
             return moe_triton.fused_experts(x, experts, weights, self.gate_proj, self.up_proj,
-                                            self.down_proj, route=route)
+                                            self.down_proj, route=route, choice=choice)
         return self.grouped(x, experts, weights)
-
-    def chosen(self, x: torch.Tensor, choice) -> torch.Tensor:
-        """`forward` of a one-token window (where `takes_route`) whose gate and up kernel
-        takes the top-k of the router's logits itself (moe_triton.RouterChoice)."""
-        from strata.layers import moe_triton
-        if self.gate_proj.dtype == torch.uint8:
-            return moe_triton.fused_experts_quantized(
-                x, None, None, *((w, w.qtype) for w in
-                                 (self.gate_proj, self.up_proj, self.down_proj)),
-                choice=choice)
-        return moe_triton.fused_experts(x, None, None, self.gate_proj, self.up_proj,
-                                        self.down_proj, choice=choice)
 
     def grouped(self, x: torch.Tensor, experts: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:

@@ -174,7 +174,9 @@ def _chosen_tile(logits_ptr, listed_ptr, counts_ptr, starts_ptr, order_ptr, weig
     the listed experts' order (by rank, not id), which no sum depends on."""
     e = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + e, mask=e < num_experts, other=-float("inf"))
-    experts, chosen = _choose(logits, e, TOP_K, BLOCK_E, BLOCK_K, RANKED, RENORMALISE)
+    experts, chosen, _ = _choose(logits[None, :], e, TOP_K, BLOCK_E, BLOCK_K, RANKED,
+                                 RENORMALISE)
+    experts, chosen = tl.sum(experts, axis=0), tl.sum(chosen, axis=0)  # the one row
     i = tl.program_id(0)
     j = tl.arange(0, BLOCK_K)
     expert = tl.sum(tl.where(j == i, experts, 0), axis=0)

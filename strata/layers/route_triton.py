@@ -40,7 +40,7 @@ import triton.language as tl
 from strata.layers import moe_triton, pdl
 from strata.layers.norm_triton import _normed
 from strata.layers.moe_triton import _group_pairs
-from strata.layers.top_k_triton import _rounded
+from strata.layers.top_k_triton import _choose, _rounded
 from strata.layers.counters import arrival_counters
 
 MAX_EXPERTS = 1024
@@ -54,53 +54,20 @@ NORM_LOGIT_VALUES = 8192  # ... and at most this many router values
 
 @triton.jit
 def _top_k(logits, t, t_ok, e, weights_ptr, experts_ptr, TOP_K: tl.constexpr,
-           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALISE: tl.constexpr):
+           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RANKED: tl.constexpr,
+           RENORMALISE: tl.constexpr):
     """Rows `t` of logits [T_PAD, BLOCK_E] (fp32; -inf past the experts; rows `t_ok` are
     tokens) -> each token's k most probable experts (int64, descending) and their
-    probabilities (renormalised where asked) in weights' dtype, at row t * TOP_K."""
+    probabilities (renormalised where asked) in weights' dtype, stored at row t * TOP_K
+    (top_k_triton's `_choose`, by ranks where RANKED). Returns the ranks [T_PAD, BLOCK_E]."""
     logits = tl.where(t_ok[:, None], logits, 0.0)             # padding rows: no NaN
-    probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    probs = probs / tl.sum(probs, axis=1)[:, None]            # 0 past num_experts
+    experts, chosen, rank = _choose(logits, e, TOP_K, BLOCK_E, BLOCK_K, RANKED, RENORMALISE)
     j = tl.arange(0, BLOCK_K)
-    chosen = tl.zeros([logits.shape[0], BLOCK_K], dtype=tl.float32)
-    for rank in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=1)
-        expert = tl.min(tl.where(probs == best[:, None], e[None, :], BLOCK_E), axis=1)
-        tl.store(experts_ptr + t * TOP_K + rank, expert.to(tl.int64), mask=t_ok)
-        chosen = tl.where(j[None, :] == rank, best[:, None], chosen)
-        probs = tl.where(e[None, :] == expert[:, None], -1.0, probs)  # below every one
-    if RENORMALISE:
-        chosen = chosen / tl.sum(chosen, axis=1)[:, None]
+    at = t[:, None] * TOP_K + j[None, :]
+    mask = t_ok[:, None] & (j < TOP_K)[None, :]
+    tl.store(experts_ptr + at, experts.to(tl.int64), mask=mask)
     dtype = weights_ptr.dtype.element_ty
-    tl.store(weights_ptr + t[:, None] * TOP_K + j[None, :], _rounded(chosen, dtype).to(dtype),
-             mask=t_ok[:, None] & (j < TOP_K)[None, :])
-
-
-@triton.jit
-def _ranked_top_k(logits, t, t_ok, e, weights_ptr, experts_ptr, TOP_K: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALISE: tl.constexpr):
-    """`_top_k` by ranks: each expert's rank among its token's probabilities (the experts
-    more probable, or as probable with a smaller id) in one comparison of all pairs
-    [T_PAD, BLOCK_E, BLOCK_E], where `_top_k` takes 2k reductions one after another; the
-    same experts, order and weights. Returns the ranks [T_PAD, BLOCK_E] (int32)."""
-    logits = tl.where(t_ok[:, None], logits, 0.0)
-    probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    probs = probs / tl.sum(probs, axis=1)[:, None]
-    mine = probs[:, :, None]                                  # [T_PAD, BLOCK_E, 1]
-    other = probs[:, None, :]                                 # [T_PAD, 1, BLOCK_E]
-    before = (other > mine) | ((other == mine) & (e[None, None, :] < e[None, :, None]))
-    rank = tl.sum(before.to(tl.int32), axis=2)                # [T_PAD, BLOCK_E]
-    taken = t_ok[:, None] & (rank < TOP_K)
-    tl.store(experts_ptr + t[:, None] * TOP_K + rank, e[None, :].to(tl.int64) + 0 * t[:, None],
-             mask=taken)
-    j = tl.arange(0, BLOCK_K)
-    picked = (rank[:, :, None] == j[None, None, :]) & (j < TOP_K)[None, None, :]
-    chosen = tl.sum(tl.where(picked, probs[:, :, None], 0.0), axis=1)  # [T_PAD, BLOCK_K]
-    if RENORMALISE:
-        chosen = chosen / tl.sum(chosen, axis=1)[:, None]
-    dtype = weights_ptr.dtype.element_ty
-    tl.store(weights_ptr + t[:, None] * TOP_K + j[None, :], _rounded(chosen, dtype).to(dtype),
-             mask=t_ok[:, None] & (j < TOP_K)[None, :])
+    tl.store(weights_ptr + at, _rounded(chosen, dtype).to(dtype), mask=mask)
     return rank
 
 
@@ -132,12 +99,8 @@ def _softmax_top_k(logits_ptr, weights_ptr, experts_ptr, num_experts, stride_t,
                      mask=(e < num_experts)[None, :], other=-float("inf")).to(tl.float32)
     if PDL:
         pdl.release()
-    if RANKED:
-        _ranked_top_k(logits, t, t >= 0, e, weights_ptr, experts_ptr, TOP_K, BLOCK_E, BLOCK_K,
-                      RENORMALISE)
-    else:
-        _top_k(logits, t, t >= 0, e, weights_ptr, experts_ptr, TOP_K, BLOCK_E, BLOCK_K,
-               RENORMALISE)
+    _top_k(logits, t, t >= 0, e, weights_ptr, experts_ptr, TOP_K, BLOCK_E, BLOCK_K, RANKED,
+           RENORMALISE)
 
 
 @triton.jit
@@ -181,12 +144,8 @@ def _route_window(x_ptr, router_ptr, logits_ptr, weights_ptr, experts_ptr,
                          other=-float("inf"), cache_modifier=".cg").to(tl.float32)
         if ROUTER:
             tl.atomic_xchg(arrived_ptr, 0)
-        if RANKED:
-            rank = _ranked_top_k(logits, t, t_ok, e, weights_ptr, experts_ptr, TOP_K, BLOCK_E,
-                                 BLOCK_K, RENORMALISE)
-        else:
-            _top_k(logits, t, t_ok, e, weights_ptr, experts_ptr, TOP_K, BLOCK_E, BLOCK_K,
-                   RENORMALISE)
+        rank = _top_k(logits, t, t_ok, e, weights_ptr, experts_ptr, TOP_K, BLOCK_E, BLOCK_K,
+                      RANKED, RENORMALISE)
         if RANKED and T_PAD == 1:  # one token: its ranks are its grouping
             _group_one(rank, e, counts_ptr, starts_ptr, order_ptr, listed_ptr, num_experts,
                        TOP_K)

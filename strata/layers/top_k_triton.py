@@ -1,11 +1,11 @@
 """Jit helpers (no launches) shared by the routing and fused-experts kernels:
 `_rounded` (fp32 rounded to an activation dtype, as a PyTorch op writing it would) and
-`_choose` (one token's softmax top-k, kept in registers).
+`_choose` (the softmax top-k of rows of router logits, kept in registers).
 
-route_triton's `_top_k` and `_ranked_top_k` store a window's choice for moe_triton's
-grouping launch; `_choose` makes the same choice where every program of a one-token
-window's gate and up kernel takes its expert itself (moe_triton's `_ranked_tile`), so
-that no launch runs between the router's logits and the experts.
+route_triton's kernels store `_choose`'s experts and weights for the fused experts'
+grouping; a one-token window's gate and up kernel calls it in every program instead
+(moe_triton's `_chosen_tile`), so that no launch runs between the router's logits and
+the experts.
 """
 
 # NOTE: no `from __future__ import annotations` here: triton reads the helpers'
@@ -28,29 +28,34 @@ def _rounded(v, dtype: tl.constexpr):
 @triton.jit
 def _choose(logits, e, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
             RANKED: tl.constexpr, RENORMALISE: tl.constexpr):
-    """One token's logits [BLOCK_E] (fp32, -inf past the experts) -> (experts [BLOCK_K]
-    int32, their probabilities [BLOCK_K] fp32): `_top_k`'s (or, RANKED, `_ranked_top_k`'s)
-    choice and weights, held in registers instead of stored (entries past TOP_K: expert
-    0, weight 0). moe_triton's one-token kernels call it in every program."""
-    probs = tl.exp(logits - tl.max(logits, axis=0))
-    probs = probs / tl.sum(probs, axis=0)
+    """Rows of logits [R, BLOCK_E] (fp32, -inf past the experts, finite in every row) ->
+    (experts [R, BLOCK_K] int32, their probabilities [R, BLOCK_K] fp32, ranks [R, BLOCK_E]
+    int32): each row's k most probable experts in descending order (the lower id first
+    among equal ones), renormalised where asked (entries past TOP_K: expert 0, weight 0).
+    RANKED: each expert's rank among its row's probabilities (the experts more probable,
+    or as probable with a lower id) in one comparison of all pairs [R, BLOCK_E, BLOCK_E];
+    else k rounds of two reductions, one after another (the ranks are then 0)."""
+    probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = probs / tl.sum(probs, axis=1)[:, None]            # 0 past the experts
     j = tl.arange(0, BLOCK_K)
-    if RANKED:  # each expert's rank among the more probable (or as probable, lower ids)
-        before = (probs[None, :] > probs[:, None]) | ((probs[None, :] == probs[:, None])
-                                                      & (e[None, :] < e[:, None]))
-        rank = tl.sum(before.to(tl.int32), axis=1)                       # [BLOCK_E]
-        picked = (rank[:, None] == j[None, :]) & (j < TOP_K)[None, :]     # [BLOCK_E, BLOCK_K]
-        experts = tl.sum(tl.where(picked, e[:, None], 0), axis=0)
-        chosen = tl.sum(tl.where(picked, probs[:, None], 0.0), axis=0)
+    if RANKED:
+        mine = probs[:, :, None]                              # [R, BLOCK_E, 1]
+        other = probs[:, None, :]                             # [R, 1, BLOCK_E]
+        before = (other > mine) | ((other == mine) & (e[None, None, :] < e[None, :, None]))
+        rank = tl.sum(before.to(tl.int32), axis=2)            # [R, BLOCK_E]
+        picked = (rank[:, :, None] == j[None, None, :]) & (j < TOP_K)[None, None, :]
+        experts = tl.sum(tl.where(picked, e[None, :, None], 0), axis=1)
+        chosen = tl.sum(tl.where(picked, probs[:, :, None], 0.0), axis=1)
     else:
-        experts = tl.zeros([BLOCK_K], dtype=tl.int32)
-        chosen = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for rank in tl.static_range(TOP_K):
-            best = tl.max(probs, axis=0)
-            expert = tl.min(tl.where(probs == best, e, BLOCK_E), axis=0)
-            experts = tl.where(j == rank, expert, experts)
-            chosen = tl.where(j == rank, best, chosen)
-            probs = tl.where(e == expert, -1.0, probs)
+        rank = tl.zeros([logits.shape[0], BLOCK_E], dtype=tl.int32)
+        experts = tl.zeros([logits.shape[0], BLOCK_K], dtype=tl.int32)
+        chosen = tl.zeros([logits.shape[0], BLOCK_K], dtype=tl.float32)
+        for r in tl.static_range(TOP_K):
+            best = tl.max(probs, axis=1)
+            expert = tl.min(tl.where(probs == best[:, None], e[None, :], BLOCK_E), axis=1)
+            experts = tl.where(j[None, :] == r, expert[:, None], experts)
+            chosen = tl.where(j[None, :] == r, best[:, None], chosen)
+            probs = tl.where(e[None, :] == expert[:, None], -1.0, probs)  # below every one
     if RENORMALISE:
-        chosen = chosen / tl.sum(chosen, axis=0)
-    return experts, chosen
+        chosen = chosen / tl.sum(chosen, axis=1)[:, None]
+    return experts, chosen, rank
