@@ -11,16 +11,12 @@ positions above a query's are read but masked.
 
 A window of few tiles (decoding) would leave most of the GPU idle while each program walks
 its whole context, so its walk is split: the NUM_SPLITS programs of a tile and head take
-its key steps in turn (program s steps s, s + NUM_SPLITS, ...). The split count follows the
-window's size only, never the context, so graphs capture it like the rest; but a tile's
-programs count how many of them its context keeps busy (one per key step, at most
-NUM_SPLITS) and the rest end at once. With one busy program (a context of up to BLOCK_N
-keys) it stores the output itself; otherwise each stores unnormalised partials (acc, max,
-sum), counts itself in (strata/layers/counters.py), and the last to arrive merges the
-partials in split order (the same bits whichever arrives last) and stores the output: no
-second launch. A decoding program runs one step for contexts of up to NUM_SPLITS * BLOCK_N
-keys, and its first step's block numbers are loaded before its positions are known
-(masked by the table's width until then).
+its key steps in turn (program s steps s, s + NUM_SPLITS, ...) and store unnormalised
+partials (acc, max, sum), and `_combine_splits` merges them. The split count follows the
+window's size only, never the context, so graphs capture it like the rest; programs past
+a tile's context end at once. A decoding program runs one step for contexts of up to
+NUM_SPLITS * BLOCK_N keys, and its first step's block numbers are loaded before its
+positions are known (masked by the table's width until then).
 
 NOTE: nothing here syncs with the host or allocates by data: the loop bound is loaded by
 the program itself, so a launch can be captured in a CUDA graph. Tile sizes are fixed from
@@ -36,7 +32,6 @@ import triton
 import triton.language as tl
 
 from strata.layers import pdl
-from strata.layers.counters import arrival_counters
 
 BLOCK_M = 16  # tokens per query tile (the tile map in triton_paged.py is built with it)
 LOG2_E = 1.4426950408889634  # the kernel's softmax uses exp2
@@ -49,7 +44,7 @@ MAX_SPLITS = 16
 @triton.jit(do_not_specialize=["stride_table", "table_width", "num_tokens"])
 def _paged_attention(
         q_ptr, out_ptr, key_ptr, value_ptr,              # [T, H, D] x2, [rows, Hkv, D] x2
-        split_acc_ptr, split_ml_ptr, count_ptr,          # [S, T, H, BLOCK_D], [S, T, H, 2]
+        split_acc_ptr, split_ml_ptr,                     # [S, T, H, BLOCK_D], [S, T, H, 2]
         positions_ptr, block_tables_ptr,                 # [T], [B, W]
         tile_entry_ptr, tile_start_ptr, tile_count_ptr,  # [tiles] each
         stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
@@ -95,11 +90,6 @@ def _paged_attention(
     # an empty tile (padding of the tile map) runs no key block at all.
     q_pos = tl.load(positions_ptr + first + token, mask=token < count, other=-1)  # [ROWS]
     end = tl.max(q_pos, axis=0) + 1
-    # The tile's busy programs: one per key step, at most NUM_SPLITS (none for an empty
-    # tile). The others have nothing to walk, store, or merge.
-    busy = tl.minimum(tl.cdiv(end, BLOCK_N), NUM_SPLITS)
-    if split >= busy:
-        return
     m_i = tl.full([BLOCK_M * GROUP_BLOCK], -1.0e30, dtype=tl.float32)  # finite: no inf - inf
     l_i = tl.zeros([BLOCK_M * GROUP_BLOCK], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_BLOCK, BLOCK_D], dtype=tl.float32)
@@ -132,59 +122,43 @@ def _paged_attention(
 
     if PDL:
         pdl.release()
-    out_at = (first + token) * stride_ot + head * stride_oh
     if NUM_SPLITS == 1:
-        _store_out(acc, l_i, out_ptr, out_at, row_ok, dim, dim_ok)
-    elif busy == 1:
-        _store_out(acc, l_i, out_ptr, out_at, row_ok, dim, dim_ok)
-    else:
-        _merge_splits(acc, m_i, l_i, split, busy, split_acc_ptr, split_ml_ptr,
-                      count_ptr + tile * tl.num_programs(1) + tl.program_id(1), out_ptr,
-                      out_at, (first + token) * num_heads + head, num_tokens * num_heads,
-                      row_ok, dim, dim_ok, BLOCK_D)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out_rows = (first + token) * stride_ot + head * stride_oh
+        tl.store(out_ptr + out_rows[:, None] + dim[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dim_ok[None, :])
+    else:  # every split stores its partials, an empty range too (max -1e30, sum 0)
+        part = (split * num_tokens + first + token) * num_heads + head            # [ROWS]
+        tl.store(split_acc_ptr + part[:, None] * BLOCK_D + dim[None, :], acc,
+                 mask=row_ok[:, None])
+        tl.store(split_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(split_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
-def _store_out(acc, total, out_ptr, out_at, row_ok, dim, dim_ok):
-    """Rows `out_at` of the output: the softmax's weighted sums over their total."""
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + out_at[:, None] + dim[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & dim_ok[None, :])
-
-
-@triton.jit
-def _merge_splits(acc, m_i, l_i, split, busy, split_acc_ptr, split_ml_ptr, count_ptr,
-                  out_ptr, out_at, part, split_stride, row_ok, dim, dim_ok,
-                  BLOCK_D: tl.constexpr):
-    """A busy split's partial softmax (acc, max m_i, sum l_i of its rows `part`) stored and
-    counted in at the tile's counter; the last of the `busy` programs to arrive rescales
-    them all to their common maximum in split order, stores the output rows `out_at`, and
-    sets the counter back to 0. NOTE: the barrier puts every thread's partial before the
-    counter's release; the partials are read past L1 (.cg)."""
-    at = split * split_stride + part                                              # [ROWS]
-    tl.store(split_acc_ptr + at[:, None] * BLOCK_D + dim[None, :], acc, mask=row_ok[:, None])
-    tl.store(split_ml_ptr + at * 2, m_i, mask=row_ok)
-    tl.store(split_ml_ptr + at * 2 + 1, l_i, mask=row_ok)
-    tl.debug_barrier()
-    if tl.atomic_add(count_ptr, 1, sem="acq_rel") == busy - 1:
-        m = tl.full(m_i.shape, -1.0e30, dtype=tl.float32)
-        total = tl.zeros_like(l_i)
-        out = tl.zeros_like(acc)
-        for s in range(busy):
-            at = s * split_stride + part
-            m_s = tl.load(split_ml_ptr + at * 2, mask=row_ok, other=-1.0e30,
-                          cache_modifier=".cg")
-            m_new = tl.maximum(m, m_s)
-            old, new = tl.exp2(m - m_new), tl.exp2(m_s - m_new)
-            l_s = tl.load(split_ml_ptr + at * 2 + 1, mask=row_ok, other=0.0,
-                          cache_modifier=".cg")
-            acc_s = tl.load(split_acc_ptr + at[:, None] * BLOCK_D + dim[None, :],
-                            mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-            total = total * old + l_s * new
-            out = out * old[:, None] + acc_s * new[:, None]
-            m = m_new
-        _store_out(out, total, out_ptr, out_at, row_ok, dim, dim_ok)
-        tl.atomic_xchg(count_ptr, 0)
+@triton.jit(do_not_specialize=["num_tokens"])
+def _combine_splits(
+        split_acc_ptr, split_ml_ptr, out_ptr,            # partials as stored above, [T, H, D]
+        stride_ot, stride_oh, num_tokens, num_heads,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        PDL: tl.constexpr):
+    """One program per (token, head): the splits' partial softmaxes rescaled to their
+    common maximum and summed."""
+    if PDL:
+        pdl.wait()
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    split = tl.arange(0, NUM_SPLITS)
+    part = (split * num_tokens + token) * num_heads + head                        # [S]
+    m = tl.load(split_ml_ptr + part * 2)
+    weight = tl.exp2(m - tl.max(m, axis=0))                                        # [S]
+    total = tl.sum(tl.load(split_ml_ptr + part * 2 + 1) * weight, axis=0)
+    dim = tl.arange(0, BLOCK_D)
+    acc = tl.load(split_acc_ptr + part[:, None] * BLOCK_D + dim[None, :])        # [S, D]
+    if PDL:
+        pdl.release()
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dim,
+             out.to(out_ptr.dtype.element_ty), mask=dim < HEAD_DIM)
 
 
 def kernel_constants(head_dim: int, group: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
@@ -240,18 +214,21 @@ def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         split_acc = torch.empty(splits, tokens, heads, block_d, dtype=torch.float32,
                                 device=q.device)
         split_ml = torch.empty(splits, tokens, heads, 2, dtype=torch.float32, device=q.device)
-        counters = arrival_counters(q.device)
-        assert grid[0] * grid[1] <= counters.numel(), "more tiles x heads than counters"
     else:
-        split_acc = split_ml = counters = out  # not read
+        split_acc = split_ml = out  # not read
     _paged_attention[grid + (splits,)](
-        q, out, key, value, split_acc, split_ml, counters, positions, block_tables, tile_entry,
+        q, out, key, value, split_acc, split_ml, positions, block_tables, tile_entry,
         tile_start, tile_count,
         q.stride(0), q.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), block_tables.shape[1],
         scale * LOG2_E, tokens, heads,
         **constants, NUM_SPLITS=splits, **pdl.constants(q.device), num_warps=num_warps,
         num_stages=2)
+    if splits > 1:
+        _combine_splits[(tokens, heads)](
+            split_acc, split_ml, out, out.stride(0), out.stride(1), tokens, heads,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, **pdl.constants(q.device),
+            num_warps=1)
     return out
 
 

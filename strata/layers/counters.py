@@ -1,14 +1,14 @@
 """Arrival counters: the device's int32 counters by which a Triton launch's last program
-of a group (a row tile's splits, the router's experts, an attention tile's key-walk
-splits) knows it is the last, and then finishes what the group computed.
+of a group (a row tile's splits, the router's experts) knows it is the last, and then
+finishes what the group computed.
 
 Each such program stores its part, counts itself in with an atomic add, and the one that
 reads the group's size minus one combines the parts and sets the counter back to 0: the
 counters are zero between launches. They are kept for the process's life, since CUDA
 graphs hold their address. NOTE: one set per device, shared by every kernel that counts
-(triton_quant's split gemv, route_triton, the paged attention), so no two may run at
-once on one device: a stage's kernels run one after another on its stream (with PDL, each
-`wait`s for the one before), and the expert prefetch's side stream launches none of them.
+(triton_quant's split gemv, route_triton), so no two may run at once on one device: a
+stage's kernels run one after another on its stream (with PDL, each `wait`s for the one
+before), and the expert prefetch's side stream launches none of them.
 """
 
 from __future__ import annotations
