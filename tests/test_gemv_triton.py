@@ -33,11 +33,13 @@ def operands(tokens: int, rows: int, cols: int, dtype, bias: bool, seed: int = 0
 def test_the_gemv_equals_the_matmul(dtype, rows, cols, bias):
     """4500 columns: three steps of 2048 (or 36 of 128), the last masked; 37, 9 and 130
     rows: a program's rows past the weight's end; every window size of the GEMV (1-4) and
-    some of the GEMM (5, 16, 37, 64: tiles of 16, 16, 64, 64 tokens)."""
+    some of the GEMM (5, 16, 37, 64: tiles of 16, 16, 64, 64 tokens), the GEMM's columns
+    in the splits its shape gets and in 3 (70 columns: two splits without a step)."""
     from strata.layers import gemv_triton
-    for tokens in (1, 2, 3, 4, 5, 16, 37, 64):
+    for tokens, splits in ((1, None), (2, None), (3, None), (4, None), (5, None), (5, 3),
+                           (16, 3), (37, None), (64, 3)):
         x, w, b = operands(tokens, rows, cols, dtype, bias, seed=tokens)
-        ours = gemv_triton.gemv(x, w, b)
+        ours = gemv_triton.gemv(x, w, b, splits=splits)
         assert ours.shape == (tokens, rows) and ours.dtype == dtype
         exact = F.linear(x.double(), w.double(), None if b is None else b.double())
         # float32 sums rounded once to the dtype: within a step or two of it (triton's
@@ -52,13 +54,32 @@ def test_the_gated_gemv_equals_silu_mul_then_the_matmul(dtype):
     silu(gate) * up, rounded where fused.silu_mul rounds."""
     from strata.layers import gemv_triton
     from strata.layers.fused import silu_mul
-    for tokens in (1, 3, 9):
+    for tokens, splits in ((1, None), (3, None), (9, 1), (9, 4), (16, 5)):
         gate_up, w, _ = operands(tokens, 24, 2 * 1536, dtype, False, seed=tokens)
         w = w[:, :1536].contiguous()
-        ours = gemv_triton.gemv(gate_up, w, gated=True)
+        ours = gemv_triton.gemv(gate_up, w, gated=True, splits=splits)
         ref = F.linear(silu_mul(gate_up).double(), w.double())
         step = 1e-5 if dtype == torch.float32 else 3.2e-2  # bf16: roundings twice truncated
         torch.testing.assert_close(ours.double(), ref, rtol=step, atol=step)
+
+
+def test_split_gemm_sets_its_counters_back():
+    """A split GEMM's last program per row tile adds the partials up in split order and
+    sets the tile's counter back to 0, so a CUDA graph's next replay counts from 0: the
+    same y, bit for bit, with every counter 0 after each launch; as many splits as the
+    weight's shape gives (the default model's down projection: 4)."""
+    from strata.layers import gemv_triton
+    from strata.layers.counters import arrival_counters
+    assert gemv_triton.gemm_splits(576, 1536) == 4
+    assert gemv_triton.gemm_splits(3072, 576) == 1  # 192 row tiles fill a GPU already
+    assert gemv_triton.gemm_splits(40, 200) == 1    # two steps of columns: not split
+    x, w, b = operands(6, 40, 1536, torch.float32, True, seed=3)
+    counters = arrival_counters(x.device)
+    first = gemv_triton.gemv(x, w, b)
+    assert gemv_triton.gemm_splits(40, 1536) > 1 and not counters.any()
+    assert torch.equal(gemv_triton.gemv(x, w, b), first)
+    assert not counters.any()
+    torch.testing.assert_close(first, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 def test_it_refuses_what_it_cannot_compute():
@@ -79,7 +100,8 @@ def test_it_refuses_what_it_cannot_compute():
     (2, 960, 576, True),       # the default model's qkv ...
     (4, 960, 576, True),       # ... with drafts too: a small weight
     (36, 3072, 576, True),     # ... 4 slots with 8 drafts each: the GEMM
-    (16, 576, 1536, False),    # ... but for rows longer than the sweep's (its down_proj)
+    (16, 576, 1536, False),    # ... but for rows longer than the sweep's (its down_proj,
+                               # which takes the GEMM gated: below)
     (4, 5120, 2048, False),    # 4 tokens of a large weight: cuBLAS
     (16, 5120, 2048, False),
     (65, 960, 576, False),     # past MAX_TOKENS
@@ -91,8 +113,10 @@ def test_it_takes_the_shapes_where_it_was_faster(tokens, rows, cols, takes):
     assert gemv_triton.takes(x, w) == takes
     assert not gemv_triton.takes(x.float(), w.float())  # float32: cuBLAS by default
     gate_up = torch.empty(tokens, 2 * cols, dtype=torch.bfloat16, device="meta")
-    # a gated input beyond the GEMV's 4 tokens: silu_mul first (the GEMM was slower)
-    assert gemv_triton.takes(gate_up, w, gated=True) == (takes and tokens <= 4)
+    # a gated input: the GEMV's 1-4 tokens as a plain one's; the GEMM's 5-64 (split) on
+    # weights of up to 2^21 values, rows of any length
+    gated = takes and tokens <= 4 or 4 < tokens <= 64 and rows * cols <= 1 << 21
+    assert gemv_triton.takes(gate_up, w, gated=True) == gated
 
 
 def test_linear_runs_it_where_its_path_says(monkeypatch):
@@ -142,13 +166,15 @@ def _compile(arch: int, dtype, tokens: int, cols: int) -> int:
     from strata.layers import gemv_triton
 
     def types(name: str) -> str:
+        if name in ("partial_ptr", "count_ptr"):
+            return "*fp32" if name == "partial_ptr" else "*i32"
         return "*" + TRITON_TYPES[dtype] if name.endswith("_ptr") else "i32"
 
     if tokens > gemv_triton.ROW_TOKENS:
         kernel = compile_kernel(gemv_triton._gemm, arch, dict(
             BLOCK_M=max(16, triton_next_power_of_2(tokens)), BLOCK_N=gemv_triton.GEMM_ROWS,
-            BLOCK_K=gemv_triton.GEMM_COLS, HAS_BIAS=True, GATED=cols == 576, DOT_FP32=False),
-            types, dict(num_warps=4, num_stages=3))
+            BLOCK_K=gemv_triton.GEMM_COLS, HAS_BIAS=True, GATED=cols == 576, DOT_FP32=False,
+            SPLIT=tokens == 36), types, dict(num_warps=4, num_stages=3))
     else:
         kernel = compile_kernel(gemv_triton._gemv, arch, dict(
             TOKENS=tokens, T_PAD=triton_next_power_of_2(tokens), HAS_BIAS=True,

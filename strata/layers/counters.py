@@ -6,9 +6,9 @@ Each such program stores its part, counts itself in with an atomic add, and the 
 reads the group's size minus one combines the parts and sets the counter back to 0: the
 counters are zero between launches. They are kept for the process's life, since CUDA
 graphs hold their address. NOTE: one set per device, shared by every kernel that counts
-(triton_quant's split gemv, route_triton), so no two may run at once on one device: a
-stage's kernels run one after another on its stream (with PDL, each `wait`s for the one
-before), and the expert prefetch's side stream launches none of them.
+(the split products of split_sums.py, route_triton), so no two may run at once on one
+device: a stage's kernels run one after another on its stream (with PDL, each `wait`s
+for the one before), and the expert prefetch's side stream launches none of them.
 """
 
 from __future__ import annotations

@@ -14,13 +14,17 @@ it, where PyTorch takes a launch of its own. Measured on the H200 (benchmarks/RE
 
 Windows of 5-64 tokens (decoding slots with their drafts) take `_gemm` instead: the same
 walk, every token at once on the tensor cores; it beats cuBLAS on small weights only
-(the default model's: 2.7-4.0 us against 4.0-5.5 at 8-36 tokens).
+(the default model's: 2.7-4.0 us against 4.0-5.5 at 8-36 tokens). A weight of few row
+tiles and long rows (the default model's down projection: 36 tiles of 1536 columns) has
+its columns split over several programs per row tile (`gemm_splits`), whose partial sums
+the tile's last program adds up (split_sums.py): one such program alone would walk 12
+dependent steps while most of the GPU idled.
 
 `takes` says where they run by default (`Linear.path` "auto"): CUDA, bf16 or fp16, and the
 shapes where they measured faster than cuBLAS: 1-2 tokens but for short rows of a wide
 weight (the default model's lm_head, 49152 x 576), 3-4 tokens of weights up to 2^20
 values, 5-64 tokens of weights up to 2^21 values with rows of up to 1024 (the row length
-swept; not a gated input, which was 1.5-3x slower than silu_mul then cuBLAS).
+swept), or of any length for a gated input (where PyTorch takes silu_mul's kernel first).
 
 NOTE: importing this module imports triton; strata/layers/linear.py imports it only on the
 path that runs it. Nothing here syncs with the host or allocates by data (CUDA graphs).
@@ -33,6 +37,7 @@ import triton
 import triton.language as tl
 
 from strata.layers import pdl
+from strata.layers.split_sums import finish, split_sums
 
 ROW_TOKENS = 4   # windows of up to this many tokens: _gemv; larger ones: _gemm
 MAX_TOKENS = 64
@@ -85,12 +90,15 @@ def _silu_mul(gate, up):
 # NOTE: the window's size changes with every call: not specialised on (BLOCK_M is).
 @triton.jit(do_not_specialize=["num_tokens"])
 def _gemm(x_ptr, w_ptr, b_ptr, out_ptr,            # [T, K], [N, K], [N], [T, N]
+          partial_ptr, count_ptr,                  # [splits, T, N] fp32, counters
           num_tokens, num_rows, num_cols, stride_xt, stride_w, stride_ot,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           HAS_BIAS: tl.constexpr, GATED: tl.constexpr, DOT_FP32: tl.constexpr,
-          PDL: tl.constexpr):
-    """Windows of ROW_TOKENS + 1 to MAX_TOKENS tokens: program i multiplies every token by
-    BLOCK_N rows of W, BLOCK_K columns a step, on the tensor cores (float32 sums)."""
+          SPLIT: tl.constexpr, PDL: tl.constexpr):
+    """Windows of ROW_TOKENS + 1 to MAX_TOKENS tokens: program (i, j) multiplies every token
+    by BLOCK_N rows of W over split j of the columns (all of them with one split), BLOCK_K
+    columns a step, on the tensor cores (float32 sums); the splits of a row tile are added
+    up by its last program to finish (split_sums.finish)."""
     if PDL:
         pdl.wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -98,10 +106,13 @@ def _gemm(x_ptr, w_ptr, b_ptr, out_ptr,            # [T, K], [N, K], [N], [T, N]
     row_start = tl.where(row_ok, rows, 0).to(tl.int64) * stride_w
     t = tl.arange(0, BLOCK_M)
     t_ok = t < num_tokens
+    per_split = tl.cdiv(tl.cdiv(num_cols, BLOCK_K), tl.num_programs(1)) * BLOCK_K
+    lo = tl.program_id(1) * per_split
+    hi = tl.minimum(num_cols, lo + per_split)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, num_cols, BLOCK_K):
+    for k0 in range(lo, hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < num_cols
+        k_ok = k < hi
         x_at = x_ptr + t[:, None].to(tl.int64) * stride_xt + k[None, :]
         x_ok = t_ok[:, None] & k_ok[None, :]
         x = tl.load(x_at, mask=x_ok, other=0.0)                             # [M, BLOCK_K]
@@ -115,10 +126,12 @@ def _gemm(x_ptr, w_ptr, b_ptr, out_ptr,            # [T, K], [N, K], [N], [T, N]
             acc = tl.dot(x, w, acc)
     if PDL:
         pdl.release()
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + t[:, None].to(tl.int64) * stride_ot + rows[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & row_ok[None, :])
+    if HAS_BIAS:  # once, by the first split
+        first = tl.full([BLOCK_N], 0, tl.int32) + tl.program_id(1) == 0
+        acc += tl.load(b_ptr + rows, mask=row_ok & first, other=0.0).to(tl.float32)[None, :]
+    finish(acc, out_ptr, partial_ptr, count_ptr,
+           t[:, None].to(tl.int64) * stride_ot + rows[None, :], num_tokens * stride_ot,
+           t_ok[:, None] & row_ok[None, :], SPLIT)
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -129,7 +142,7 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def takes(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """Do they by default: where they measured faster than cuBLAS? (`gated`: x holds gate
-    and up; windows of more than ROW_TOKENS tokens then take silu_mul's kernel first.)"""
+    and up; where they do not, silu_mul's kernel runs first, then cuBLAS.)"""
     if not fits(x, weight) or x.dtype not in DTYPES:
         return False
     tokens, (rows, cols) = x.shape[0], weight.shape
@@ -137,7 +150,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
         return cols >= 1024 or rows <= 16384
     if tokens <= ROW_TOKENS:
         return rows * cols <= 1 << 20
-    return not gated and rows * cols <= 1 << 21 and cols <= 1024
+    return rows * cols <= 1 << 21 and (gated or cols <= 1024)
 
 
 def constants(cols: int) -> dict:
@@ -148,10 +161,20 @@ def constants(cols: int) -> dict:
 
 
 GEMM_ROWS, GEMM_COLS = 16, 128  # _gemm's tile of W (an H200 sweep: benchmarks/README.md)
+GEMM_PROGRAMS = 128   # _gemm splits its row tiles' columns until this many programs run...
+MIN_SPLIT_STEPS = 2   # ...each walking at least this many steps of GEMM_COLS columns
+MAX_SPLITS = 8
+
+
+def gemm_splits(rows: int, cols: int) -> int:
+    """Splits of `_gemm`'s column walk for a weight [rows, cols]: a weight of few row tiles
+    would leave most of a GPU idle while each program walks its long rows."""
+    tiles, steps = triton.cdiv(rows, GEMM_ROWS), triton.cdiv(cols, GEMM_COLS)
+    return max(1, min(MAX_SPLITS, steps // MIN_SPLIT_STEPS, triton.cdiv(GEMM_PROGRAMS, tiles)))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         gated: bool = False) -> torch.Tensor:
+         gated: bool = False, splits: int | None = None) -> torch.Tensor:
     """x [T, K] (1 <= T <= MAX_TOKENS) @ weight [N, K].T (+ bias [N]) -> [T, N] in x's
     dtype; x, weight and bias of one float dtype. `gated`: x is [T, 2K], gate and up, and
     the product is of silu(gate) * up (a gated MLP's down projection)."""
@@ -165,15 +188,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x = x.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    out = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
     if tokens > ROW_TOKENS:
-        _gemm[(triton.cdiv(rows, GEMM_ROWS),)](
-            x, weight, bias if bias is not None else out, out, tokens, rows, cols, x.stride(0),
-            weight.stride(0), out.stride(0), BLOCK_M=max(16, triton.next_power_of_2(tokens)),
-            BLOCK_N=GEMM_ROWS, BLOCK_K=GEMM_COLS, HAS_BIAS=bias is not None, GATED=gated,
-            DOT_FP32=x.dtype == torch.float32 or x.device.type != "cuda",
-            **pdl.constants(x.device), num_warps=4)
-        return out
+        tiles = triton.cdiv(rows, GEMM_ROWS)
+        splits = splits or gemm_splits(rows, cols)
+        return split_sums(x, rows, tiles, splits, lambda out, partial, counts: _gemm[(
+            tiles, splits)](
+            x, weight, bias if bias is not None else out, out, partial, counts, tokens, rows,
+            cols, x.stride(0), weight.stride(0), out.stride(0),
+            BLOCK_M=max(16, triton.next_power_of_2(tokens)), BLOCK_N=GEMM_ROWS,
+            BLOCK_K=GEMM_COLS, HAS_BIAS=bias is not None, GATED=gated,
+            DOT_FP32=x.dtype == torch.float32 or x.device.type != "cuda", SPLIT=splits > 1,
+            **pdl.constants(x.device), num_warps=4))
+    out = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
     sizes = constants(cols)
     _gemv[(triton.cdiv(rows, sizes["BLOCK_N"]),)](
         x, weight, bias if bias is not None else out, out, rows, cols, x.stride(0),

@@ -33,8 +33,8 @@ sum). On the H200 `_gemv_rows` reads Q4_K 3-5x faster than `_gemv` did at one to
 splits follows the weight's and window's shapes only (enough programs to fill a GPU):
 with one split the program stores y in x's dtype; with more, each stores an fp32 partial
 and the last of a row tile's programs to finish adds them up and stores y (one launch,
-no separate sum and cast: `_finish`). `dequantize`: program (i, g) writes group g of row
-tile i.
+no separate sum and cast: strata/layers/split_sums.py). `dequantize`: program (i, g)
+writes group g of row tile i.
 
 NOTE: nothing here syncs with the host or allocates by data (a launch can be captured in
 a CUDA graph); tile sizes are fixed (no autotuning: a fresh machine compiles in seconds);
@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from strata.layers import pdl
-from strata.layers.counters import MAX_COUNTERS, arrival_counters
+from strata.layers.split_sums import finish, split_sums
 from strata.quant.formats import FORMATS
 
 BLOCK_N = 64          # output rows per program
@@ -288,35 +288,9 @@ def _gemv(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uint8, [
     if PDL:
         pdl.release()
     t = tl.arange(0, T_PAD)
-    _finish(acc, out_ptr, partial_ptr, count_ptr,
+    finish(acc, out_ptr, partial_ptr, count_ptr,
             t[:, None].to(tl.int64) * num_rows + rows[None, :], num_tokens * num_rows,
             (t < num_tokens)[:, None] & row_ok[None, :], SPLIT)
-
-
-@triton.jit
-def _finish(acc, out_ptr, partial_ptr, count_ptr, at, split_stride, mask,
-            SPLIT: tl.constexpr):
-    """Store a program's sums `acc` (y's elements `at`) as y in out's dtype. With SPLIT
-    (the row tile's blocks walked by several programs, axis 1) each program stores its
-    fp32 partial and counts itself in at its tile's counter; the last one to arrive adds
-    the partials up in split order (the same bits whichever arrives last), stores y and
-    sets the counter back to 0 for the next launch. NOTE: the barrier puts every thread's
-    partial before the counter's release; the partials are read past L1 (.cg)."""
-    if SPLIT:
-        split = tl.program_id(1)
-        splits = tl.num_programs(1)
-        tl.store(partial_ptr + split * split_stride + at, acc, mask=mask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
-        if arrived == splits - 1:
-            total = tl.zeros_like(acc)
-            for s in range(splits):
-                total += tl.load(partial_ptr + s * split_stride + at, mask=mask, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
-    else:
-        tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -512,7 +486,7 @@ def _gemv_rows(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uin
             acc = tl.where(t[:, None] == token, acc + y[None, :], acc)
     if PDL:
         pdl.release()
-    _finish(acc, out_ptr, partial_ptr, count_ptr,
+    finish(acc, out_ptr, partial_ptr, count_ptr,
             t[:, None].to(tl.int64) * num_rows + rows[None, :], TOKENS * num_rows,
             (t < TOKENS)[:, None] & row_ok[None, :], SPLIT)
 
@@ -585,27 +559,11 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     splits = gemv_splits(rows, groups)
     constants, num_warps = gemv_constants(tokens, x.dtype, qtype, x.device.type)
     tiles = triton.cdiv(rows, BLOCK_N)
-    return _split_sums(x, rows, tiles, splits, lambda out, partial, counts: _gemv[(
+    return split_sums(x, rows, tiles, splits, lambda out, partial, counts: _gemv[(
         tiles, splits)](
         x, blocks, out, partial, counts, tokens, rows, x.stride(0), blocks.stride(0), groups,
         **constants, SPLIT=splits > 1, **pdl.constants(x.device), num_warps=num_warps,
         num_stages=2))
-
-
-def _split_sums(x: torch.Tensor, rows: int, tiles: int, splits: int, launch) -> torch.Tensor:
-    """y [T, rows] in x's dtype from `launch(out, partial, counts)`: a kernel that writes
-    y itself (one split), or whose `splits` programs per row tile write fp32 partials
-    [splits, T, rows] that the tile's last one adds up into y (_finish)."""
-    out = torch.empty(x.shape[0], rows, dtype=x.dtype, device=x.device)
-    if rows == 0:
-        return out
-    if splits == 1:
-        launch(out, out, out)  # the partial and counter pointers go unused
-        return out
-    assert tiles <= MAX_COUNTERS, (tiles, splits)
-    launch(out, torch.empty(splits, x.shape[0], rows, dtype=torch.float32, device=x.device),
-           arrival_counters(x.device))
-    return out
 
 
 def row_splits(walk: RowWalk, rows: int, blocks: int) -> int:
@@ -637,7 +595,7 @@ def _gemv_by_rows(x: torch.Tensor, blocks: torch.Tensor, qtype: str, rows: int,
     walk = row_walk(qtype, rows, num_blocks)
     splits = row_splits(walk, rows, num_blocks)
     tiles = triton.cdiv(rows, walk.rows)
-    return _split_sums(x, rows, tiles, splits, lambda out, partial, counts: _gemv_rows[(
+    return split_sums(x, rows, tiles, splits, lambda out, partial, counts: _gemv_rows[(
         tiles, splits)](
         x, blocks, out, partial, counts, rows, x.stride(0), blocks.stride(0), num_blocks,
         **row_constants(x.shape[0], qtype, walk, triton.cdiv(num_blocks, splits)),
