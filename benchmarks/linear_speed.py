@@ -101,7 +101,7 @@ def main() -> int:
                         if fits else None)
                 taken = gemv_triton.takes(x, weights[0], gated)
                 if fits and splits and width > gemv_triton.ROW_TOKENS:
-                    default = gemv_triton.gemm_splits(rows, cols)
+                    default = gemv_triton.gemm_splits(rows, cols, gated)
                     by_split = {c: timed(lambda a, w, c=c: gemv_triton.gemv(
                         a, w, gated=gated, splits=c)) - alone for c in splits}
                     split_table.append([name, str(width)] + [
@@ -116,6 +116,9 @@ def main() -> int:
           f"repeats={args.repeats} (median of CUDA graph replays, after a norm kernel)")
     print(markdown_table(["weight", "shape", "MiB"]
                          + [f"w={w}: cuBLAS / Strata us" for w in widths], table))
+    if split_table:
+        print(markdown_table(["weight", "w"] + [f"{c} splits, us" for c in splits],
+                             split_table))
     record(args, {"benchmark": "linear_speed", "settings": {
         "device": str(device), "widths": widths, "splits": splits}, "seconds": raw})
     return 0

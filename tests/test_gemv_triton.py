@@ -66,20 +66,24 @@ def test_the_gated_gemv_equals_silu_mul_then_the_matmul(dtype):
 def test_split_gemm_sets_its_counters_back():
     """A split GEMM's last program per row tile adds the partials up in split order and
     sets the tile's counter back to 0, so a CUDA graph's next replay counts from 0: the
-    same y, bit for bit, with every counter 0 after each launch; as many splits as the
-    weight's shape gives (the default model's down projection: 4)."""
+    same y, bit for bit, with every counter 0 after each launch. Only a gated input's
+    walk is split by default (the default model's down projection: 6 splits)."""
     from strata.layers import gemv_triton
     from strata.layers.counters import arrival_counters
-    assert gemv_triton.gemm_splits(576, 1536) == 4
-    assert gemv_triton.gemm_splits(3072, 576) == 1  # 192 row tiles fill a GPU already
-    assert gemv_triton.gemm_splits(40, 200) == 1    # two steps of columns: not split
-    x, w, b = operands(6, 40, 1536, torch.float32, True, seed=3)
-    counters = arrival_counters(x.device)
-    first = gemv_triton.gemv(x, w, b)
-    assert gemv_triton.gemm_splits(40, 1536) > 1 and not counters.any()
-    assert torch.equal(gemv_triton.gemv(x, w, b), first)
+    from strata.layers.fused import silu_mul
+    assert gemv_triton.gemm_splits(576, 1536, gated=True) == 6
+    assert gemv_triton.gemm_splits(576, 1536) == 1      # a plain walk: never split
+    assert gemv_triton.gemm_splits(4096, 1536, gated=True) == 1  # 256 row tiles
+    assert gemv_triton.gemm_splits(40, 200, gated=True) == 1     # two steps of columns
+    gate_up, w, _ = operands(6, 40, 2 * 1536, torch.float32, False, seed=3)
+    w = w[:, :1536].contiguous()
+    assert gemv_triton.gemm_splits(40, 1536, gated=True) == 6
+    counters = arrival_counters(gate_up.device)
+    first = gemv_triton.gemv(gate_up, w, gated=True)
     assert not counters.any()
-    torch.testing.assert_close(first, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert torch.equal(gemv_triton.gemv(gate_up, w, gated=True), first)
+    assert not counters.any()
+    torch.testing.assert_close(first, F.linear(silu_mul(gate_up), w), rtol=1e-5, atol=1e-5)
 
 
 def test_it_refuses_what_it_cannot_compute():
@@ -113,9 +117,9 @@ def test_it_takes_the_shapes_where_it_was_faster(tokens, rows, cols, takes):
     assert gemv_triton.takes(x, w) == takes
     assert not gemv_triton.takes(x.float(), w.float())  # float32: cuBLAS by default
     gate_up = torch.empty(tokens, 2 * cols, dtype=torch.bfloat16, device="meta")
-    # a gated input: the GEMV's 1-4 tokens as a plain one's; the GEMM's 5-64 (split) on
+    # a gated input: the GEMV's 1-4 tokens as a plain one's; the GEMM's 5-16 (split) on
     # weights of up to 2^21 values, rows of any length
-    gated = takes and tokens <= 4 or 4 < tokens <= 64 and rows * cols <= 1 << 21
+    gated = takes and tokens <= 4 or 4 < tokens <= 16 and rows * cols <= 1 << 21
     assert gemv_triton.takes(gate_up, w, gated=True) == gated
 
 

@@ -14,17 +14,20 @@ it, where PyTorch takes a launch of its own. Measured on the H200 (benchmarks/RE
 
 Windows of 5-64 tokens (decoding slots with their drafts) take `_gemm` instead: the same
 walk, every token at once on the tensor cores; it beats cuBLAS on small weights only
-(the default model's: 2.7-4.0 us against 4.0-5.5 at 8-36 tokens). A weight of few row
-tiles and long rows (the default model's down projection: 36 tiles of 1536 columns) has
-its columns split over several programs per row tile (`gemm_splits`), whose partial sums
-the tile's last program adds up (split_sums.py): one such program alone would walk 12
-dependent steps while most of the GPU idled.
+(the default model's: 2.7-4.0 us against 4.0-5.5 at 8-36 tokens). A gated input's walk
+is split over several programs per row tile (`gemm_splits`), whose partial sums the
+tile's last program adds up (split_sums.py): silu(gate) * up on load lengthens every
+step, and the default model's down projection (36 row tiles of 1536 columns) took 18 us
+walked whole, 7.1 in 6 splits, where silu_mul then cuBLAS took 8.9 (an H100, 5-16
+tokens). A plain walk splits by nothing: the sums' store and count cost more than the
+shorter walk saves (qkv 960 x 576: 2.3 us whole, 3.5 in 2 splits).
 
 `takes` says where they run by default (`Linear.path` "auto"): CUDA, bf16 or fp16, and the
 shapes where they measured faster than cuBLAS: 1-2 tokens but for short rows of a wide
 weight (the default model's lm_head, 49152 x 576), 3-4 tokens of weights up to 2^20
 values, 5-64 tokens of weights up to 2^21 values with rows of up to 1024 (the row length
-swept), or of any length for a gated input (where PyTorch takes silu_mul's kernel first).
+swept), or 5-16 tokens of a gated input with rows of any length (where PyTorch takes
+silu_mul's kernel first; at 36 tokens cuBLAS was faster: 9.1 us against 9.7).
 
 NOTE: importing this module imports triton; strata/layers/linear.py imports it only on the
 path that runs it. Nothing here syncs with the host or allocates by data (CUDA graphs).
@@ -40,6 +43,7 @@ from strata.layers import pdl
 from strata.layers.split_sums import finish, split_sums
 
 ROW_TOKENS = 4   # windows of up to this many tokens: _gemv; larger ones: _gemm
+GATED_TOKENS = 16  # ... by default up to this many with a gated input
 MAX_TOKENS = 64
 DTYPES = (torch.bfloat16, torch.float16)  # "auto"'s; the kernel also takes float32
 
@@ -150,7 +154,9 @@ def takes(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
         return cols >= 1024 or rows <= 16384
     if tokens <= ROW_TOKENS:
         return rows * cols <= 1 << 20
-    return rows * cols <= 1 << 21 and (gated or cols <= 1024)
+    if gated:  # the tile of 16 tokens (at 36 tokens, 64: slower than cuBLAS)
+        return tokens <= GATED_TOKENS and rows * cols <= 1 << 21
+    return rows * cols <= 1 << 21 and cols <= 1024
 
 
 def constants(cols: int) -> dict:
@@ -161,14 +167,17 @@ def constants(cols: int) -> dict:
 
 
 GEMM_ROWS, GEMM_COLS = 16, 128  # _gemm's tile of W (an H200 sweep: benchmarks/README.md)
-GEMM_PROGRAMS = 128   # _gemm splits its row tiles' columns until this many programs run...
+GEMM_PROGRAMS = 256   # _gemm splits a gated walk until this many programs run...
 MIN_SPLIT_STEPS = 2   # ...each walking at least this many steps of GEMM_COLS columns
 MAX_SPLITS = 8
 
 
-def gemm_splits(rows: int, cols: int) -> int:
-    """Splits of `_gemm`'s column walk for a weight [rows, cols]: a weight of few row tiles
-    would leave most of a GPU idle while each program walks its long rows."""
+def gemm_splits(rows: int, cols: int, gated: bool = False) -> int:
+    """Splits of `_gemm`'s column walk for a weight [rows, cols]: with a gated input
+    (silu on load), enough that GEMM_PROGRAMS run, each walking at least MIN_SPLIT_STEPS
+    steps; a plain one is walked whole (measured: module docstring)."""
+    if not gated:
+        return 1
     tiles, steps = triton.cdiv(rows, GEMM_ROWS), triton.cdiv(cols, GEMM_COLS)
     return max(1, min(MAX_SPLITS, steps // MIN_SPLIT_STEPS, triton.cdiv(GEMM_PROGRAMS, tiles)))
 
@@ -190,7 +199,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         weight = weight.contiguous()
     if tokens > ROW_TOKENS:
         tiles = triton.cdiv(rows, GEMM_ROWS)
-        splits = splits or gemm_splits(rows, cols)
+        splits = splits or gemm_splits(rows, cols, gated)
         return split_sums(x, rows, tiles, splits, lambda out, partial, counts: _gemm[(
             tiles, splits)](
             x, weight, bias if bias is not None else out, out, partial, counts, tokens, rows,
