@@ -186,7 +186,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          gated: bool = False, splits: int | None = None) -> torch.Tensor:
     """x [T, K] (1 <= T <= MAX_TOKENS) @ weight [N, K].T (+ bias [N]) -> [T, N] in x's
     dtype; x, weight and bias of one float dtype. `gated`: x is [T, 2K], gate and up, and
-    the product is of silu(gate) * up (a gated MLP's down projection)."""
+    the product is of silu(gate) * up (a gated MLP's down projection). `splits`: of the
+    GEMM's column walk (windows of more than ROW_TOKENS tokens; default `gemm_splits`)."""
     tokens, cols = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     rows = weight.shape[0]
     if not fits(x, weight) or weight.shape[1] != cols:
