@@ -146,10 +146,11 @@ def test_odd_head_dims_and_block_sizes(dim, block_size, heads):
 def test_long_contexts_split_their_walk(splits):
     """Decoding and verifying over hundreds of positions: the key walk split over programs
     (a GPU's default for so few tokens: 16 splits, most with one step of keys), over 4
-    (several steps each), or not at all."""
+    (several steps each), or not at all; a short context beside them (one split with
+    keys, the others' partials empty)."""
     from strata.attention import triton_kernel
 
-    batch = window([(600, 1), (290, 4)], block_size=16)
+    batch = window([(600, 1), (290, 4), (20, 1)], block_size=16)
     pair = caches(2, 64, 16)
     q, k, v = inputs(len(batch.positions), 6, 2, 64)
     ref = get_backend("reference").forward(q, k, v, pair[0], get_backend("reference").prepare(
