@@ -12,7 +12,11 @@ measured here by a device-to-device copy unless --bandwidth is given), each path
 and its ratio to the roofline. Paths: `grouped` (tokens sorted by expert, one grouped
 matrix product per projection: `torch._grouped_mm` on CUDA, a loop over experts elsewhere)
 and `fused` (strata/layers/moe_triton.py: two Triton kernels reading only the routed
-experts; CUDA, or anywhere under TRITON_INTERPRET=1). On CUDA every path is timed as a
+experts; CUDA, or anywhere under TRITON_INTERPRET=1), and `decoder`: the layer as a
+decoder layer runs it, from the attention's output and the residual (`add_norm_forward`:
+the post-attention add and norm too; on CUDA a one-token window's norm, router logits
+and choosing experts' kernels, `chose` in the settings line, which `fused` does not run).
+On CUDA every path is timed as a
 CUDA graph replay where it can be captured (launches and the replay's own ~14 us
 excluded: one graph runs GRAPH_CALLS windows, each of its own random tokens, so that no
 window finds its experts in the L2 cache), else eagerly. "experts touched" is the mean
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import sys
 import time
@@ -33,6 +38,7 @@ from strata.bench.report import add_record_flags, commit, machine, markdown_tabl
 from strata.bench.timing import GRAPH_CALLS, median_seconds, random_weights
 from strata.layers.linear import LinearFactory, WeightFormat
 from strata.layers.moe import SparseMoE
+from strata.layers.norm import RMSNorm
 from strata.weights.random_checkpoint import PRESETS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -72,14 +78,25 @@ def main() -> int:
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     parser.add_argument("--widths", default="1,2,4,8,16,32", help="window widths to time")
-    parser.add_argument("--paths", default="grouped,fused", help="grouped,fused")
+    parser.add_argument("--paths", default="grouped,fused,decoder",
+                        help="of grouped, fused, decoder")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--bandwidth", type=float, help="device GB/s (default: measured)")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     widths = [int(w) for w in args.widths.split(",")]
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if unknown := set(paths) - {"grouped", "fused", "decoder"}:
+        print(f"moe_cost: error: --paths {', '.join(sorted(unknown))}: the paths are grouped, "
+              "fused and decoder", file=sys.stderr)
+        return 2
+    if ("fused" in paths and device.type != "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1"):  # triton's own switch
+        print("moe_cost: error: the fused path runs on CUDA, or on the CPU under "
+              "TRITON_INTERPRET=1; or leave it out: --paths grouped,decoder", file=sys.stderr)
+        return 2
     layer = moe_layer(args, device, dtype)
+    norm = RMSNorm(layer.gate.in_features, 1e-6).to(device, dtype)  # weight 1
     experts = layer.experts
     hidden, num_experts = experts.gate_proj.shape[2], experts.num_experts
     expert_bytes = sum(p[0].numel() * p.element_size()
@@ -87,7 +104,7 @@ def main() -> int:
     router_bytes = layer.gate.weight.numel() * layer.gate.weight.element_size()
     speed = args.bandwidth * 1e9 if args.bandwidth else bandwidth(device)
     gen = torch.Generator(device=device).manual_seed(1)
-    rows, raw = [], {}
+    rows, raw, chose = [], {}, {}
     with torch.inference_mode():
         for w in widths:
             # GRAPH_CALLS windows, each its own tokens and experts (a graph replays them in
@@ -101,10 +118,15 @@ def main() -> int:
             roof = need / speed
             seconds = {}
             for path in paths:
-                experts.path = path
-                windows = itertools.cycle(xs)
-                seconds[path] = median_seconds(lambda: layer(next(windows)), device,
-                                               args.repeats)
+                experts.path = "auto" if path == "decoder" else path
+                if path == "decoder":  # from the attention's output, a residual beside it
+                    windows = itertools.cycle([(x, torch.randn_like(x)) for x in xs])
+                    chose[w] = layer._router_chooses(xs[0], norm) is not None
+                    step = lambda: layer.add_norm_forward(*next(windows), norm)  # noqa: E731
+                else:
+                    windows = itertools.cycle(xs)
+                    step = lambda: layer(next(windows))  # noqa: E731
+                seconds[path] = median_seconds(step, device, args.repeats)
             experts.path = "auto"
             raw[w] = {"touched": touched, "bytes": need, "roofline_s": roof, **seconds}
             rows.append([w, f"{touched:.1f}", f"{need / 2**20:.1f}", f"{roof * 1e6:.0f}"]
@@ -113,12 +135,14 @@ def main() -> int:
           f"experts={num_experts} top_k={layer.top_k} hidden={hidden} "
           f"expert_width={experts.gate_proj.shape[1]} dtype={args.dtype} device={device} "
           f"bandwidth={speed / 1e9:.0f} GB/s ({'given' if args.bandwidth else 'measured'}) "
-          f"repeats={args.repeats} (median)")
+          f"repeats={args.repeats} (median)"
+          + (f" chose={','.join(str(w) for w in chose if chose[w]) or 'none'}" if chose else ""))
     print(markdown_table(["w", "experts touched", "MiB read", "roofline us"]
                          + [f"{p} us / roofline" for p in paths], rows))
     record(args, {"benchmark": "moe_cost", "settings": {
         "preset": args.preset, "experts": num_experts, "top_k": layer.top_k,
-        "dtype": args.dtype, "device": str(device), "bandwidth": speed}, "widths": raw})
+        "dtype": args.dtype, "device": str(device), "bandwidth": speed,
+        "chose": [w for w in chose if chose[w]]}, "widths": raw})
     return 0
 
 
