@@ -17,7 +17,9 @@ layers, whose state rolls back under drafts) checkpoints with transformers, then
   on `--gguf` the greedy tokens with projections kept quantized against dequantized bf16
   (4 prompts x 256 tokens);
 - the fused MoE path against the grouped one (one layer of 8 experts top-2 and of 512
-  experts top-10, 1 to 32 tokens, bf16);
+  experts top-10, 1 to 32 tokens, bf16); one-token windows whose experts' kernels take
+  the top-k themselves against the route kernel's choice, bit for bit (dense bf16
+  experts, and Q4_K ones);
 - experts in host RAM behind a VRAM cache (--experts-in-ram, 25% cached): the fused
   kernels (misses read from pinned host memory) bitwise against all experts on the
   device, bf16 and Q4_K, and greedy tokens of the tiny qwen3_moe (`--experts-only`: this
@@ -116,6 +118,9 @@ def main() -> int:
     print()
     print(markdown_table(["MoE layer", "fused vs grouped, bf16: max rel. error, w=1 / 4 / 32"],
                          moe_fused(device)))
+    print()
+    print(markdown_table(["MoE layer, one token", "experts chosen in the experts' kernels = "
+                          "by the route kernel: outputs equal bit for bit"], moe_choice(device)))
     print()
     print(markdown_table(["model", "turn 2 greedy tokens = no reuse (fp32, graphs): cache on",
                           "evicted, from host RAM", "tokens not computed: on / host RAM"],
@@ -299,6 +304,45 @@ def moe_fused(device: torch.device) -> list[list[str]]:
                 grouped = layer(x)
             errors.append(rel(fused, grouped))
         rows.append([f"{experts} experts, top-{top_k}", " / ".join(f"{e:.1e}" for e in errors)])
+    return rows
+
+
+def moe_choice(device: torch.device) -> list[list[str]]:
+    """One-token windows (the decode path) of a SparseMoE whose experts' kernels take the
+    top-k themselves, against the route kernel's choice: the layer's output and residual
+    sum, bit for bit, over 20 tokens; dense bf16 experts (top-k by ranks) and Q4_K ones
+    (the row kernels' top-k in k rounds)."""
+    from strata.layers.linear import LinearFactory, WeightFormat
+    from strata.layers.moe import SparseMoE
+    from strata.weights.random_checkpoint import RandomCheckpoint
+    rows = []
+    for experts, top_k, qtype in ((128, 8, None), (128, 8, "Q4_K"), (512, 10, "Q4_K")):
+        layer = SparseMoE(256, 256, experts, top_k, True,
+                          LinearFactory(WeightFormat(torch.bfloat16)))
+        gen = torch.Generator(device=device).manual_seed(1)
+        for p in layer.parameters():
+            p.data = torch.empty(p.shape, dtype=torch.bfloat16, device=device).normal_(
+                0, 0.05, generator=gen)
+        if qtype:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                param = getattr(layer.experts, name)
+                blocks = RandomCheckpoint(f"qwen3-30b-a3b:{qtype}").blocks(
+                    name, tuple(param.shape), device)
+                quantized = torch.nn.Parameter(blocks, requires_grad=False)
+                quantized.qtype = qtype
+                setattr(layer.experts, name, quantized)
+        norm = RMSNorm(256, 1e-6).to(device=device, dtype=torch.bfloat16)
+        same = 0
+        for _ in range(20):
+            x, residual = (torch.randn(1, 256, device=device, generator=gen).bfloat16()
+                           for _ in range(2))
+            with torch.inference_mode():
+                chosen = layer.add_norm_forward(x, residual, norm)
+                layer._router_chooses = lambda *a: None  # the route kernel's path
+                routed = layer.add_norm_forward(x, residual, norm)
+                del layer._router_chooses
+            same += all(torch.equal(a, b) for a, b in zip(chosen, routed))
+        rows.append([f"{experts} experts, top-{top_k}, {qtype or 'bf16'}", f"{same}/20"])
     return rows
 
 

@@ -4,8 +4,9 @@ see conftest.py): the gate and up kernel's choice and grouping give the route ke
 outputs bit for bit (dense and quantized experts, top-k by ranks and by rounds, ties,
 with and without renormalisation); the norm and router launch equals the norm's kernel
 and the router's matmul; SparseMoE and the Qwen3-Next MoE take the path for one token
-only, with the same outputs; an engine's greedy tokens are the same with it; the kernels
-compile for SM86 and SM90 without a GPU; and what it does not take is a clear error."""
+only, with the same outputs, with dense experts and with experts in GGUF blocks; an
+engine's greedy tokens are the same with it; the kernels compile for SM86 and SM90
+without a GPU; and what it does not take is a clear error."""
 
 from __future__ import annotations
 
@@ -175,6 +176,31 @@ def test_moe_layers_choose_for_one_token(tokens, shared, monkeypatch):
     assert torch.equal(out, routed_out) and torch.equal(h, routed_h)
     assert_matches(out, torch_out)
     torch.testing.assert_close(h, torch_h, rtol=0, atol=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("qtypes", [("Q8_0", "Q8_0", "Q4_1"), ("Q4_0", "Q8_0", "Q8_0")])
+def test_quantized_experts_choose_for_one_token_in_a_layer(qtypes, monkeypatch):
+    """A SparseMoE whose experts stay in GGUF blocks (gate and up of one format, walked
+    together, or of two): a one-token window launches `norm_logits` and no route kernel,
+    and the row kernels' choice in k rounds gives the route kernel's path bit for bit."""
+    layer = randomized(SparseMoE(64, 32, 16, 4, True, LinearFactory()), seed=31)
+    for name, (blocks, qtype) in zip(("gate_proj", "up_proj", "down_proj"),
+                                     quantized_experts(qtypes, 16, 64, 32, seed=7)):
+        param = torch.nn.Parameter(blocks, requires_grad=False)
+        param.qtype = qtype
+        setattr(layer.experts, name, param)
+    norm = norm_of(RMSNorm, 64, torch.float32, seed=2)
+    x, residual = window(1, 64, seed=32), window(1, 64, seed=33)
+    kernel_paths(monkeypatch)
+    launches = counted(monkeypatch, route_triton, "norm_logits")
+    routes = counted(monkeypatch, route_triton, "route_window")
+    out, h = layer.add_norm_forward(x, residual, norm)
+    assert (launches, routes) == ([1], [])
+    monkeypatch.setattr(SparseMoE, "_router_chooses", lambda *a: None)
+    routed_out, routed_h = layer.add_norm_forward(x, residual, norm)
+    assert routes == [1]
+    assert torch.equal(out, routed_out) and torch.equal(h, routed_h)
 
 
 def test_an_engine_gives_the_same_tokens_with_it(tmp_path, monkeypatch):

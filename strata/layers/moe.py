@@ -63,14 +63,12 @@ class SparseMoE(nn.Module):
 
     def _router_chooses(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor | None:
         """The router's dense weight where the experts' kernel takes a one-token window's
-        top-k itself (`add_norm_forward`), else None. NOTE: dense experts only: quantized
-        experts' one-warp row kernels, ranking 128 experts in every program, decoded
-        Qwen3-30B-A3B's Q4_K shape slower than the routing launch (H100: 330 against 341
-        tok/s, benchmarks/README.md); their choice in k rounds instead
-        (`fused_experts_quantized(..., choice=...)`) is built and tested, not yet timed."""
-        if x.shape[0] != 1 or self.experts.gate_proj.dtype == torch.uint8 or not (
-                self._kernel_routes(x) and self.experts.takes_route(x)
-                and norm.runs_kernel(x)):
+        top-k itself (`add_norm_forward`), else None. Quantized experts' one-warp row
+        kernels take it in k rounds (ranking 128 experts in every program decoded
+        Qwen3-30B-A3B's Q4_K shape slower than the routing launch, 330 against 341 tok/s;
+        in k rounds 353 against 321, both on an H100: benchmarks/README.md)."""
+        if x.shape[0] != 1 or not (self._kernel_routes(x) and self.experts.takes_route(x)
+                                   and norm.runs_kernel(x)):
             return None
         from strata.layers.route_triton import dense_router
         return dense_router(self.gate, x)
