@@ -283,17 +283,24 @@ def quant_tokens(model: str, devices: tuple[str, ...]) -> str:
             f"difference at token {first}")
 
 
-def moe_fused(device: torch.device) -> list[list[str]]:
+def random_moe(inter: int, experts: int, top_k: int, device: torch.device, seed: int):
+    """(a bf16 SparseMoE of hidden size 256 with random weights on `device`, the generator
+    that made them, for its inputs)."""
     from strata.layers.linear import LinearFactory, WeightFormat
     from strata.layers.moe import SparseMoE
+    layer = SparseMoE(256, inter, experts, top_k, True,
+                      LinearFactory(WeightFormat(torch.bfloat16)))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for p in layer.parameters():
+        p.data = torch.empty(p.shape, dtype=torch.bfloat16, device=device).normal_(
+            0, 0.05, generator=gen)
+    return layer, gen
+
+
+def moe_fused(device: torch.device) -> list[list[str]]:
     rows = []
     for experts, top_k in ((8, 2), (512, 10)):
-        layer = SparseMoE(256, 128, experts, top_k, True,
-                          LinearFactory(WeightFormat(torch.bfloat16)))
-        gen = torch.Generator(device=device).manual_seed(0)
-        for p in layer.parameters():
-            p.data = torch.empty(p.shape, dtype=torch.bfloat16, device=device).normal_(
-                0, 0.05, generator=gen)
+        layer, gen = random_moe(128, experts, top_k, device, seed=0)
         errors = []
         for w in (1, 4, 32):
             x = torch.randn(w, 256, device=device, generator=gen).bfloat16()
@@ -312,17 +319,10 @@ def moe_choice(device: torch.device) -> list[list[str]]:
     top-k themselves, against the route kernel's choice: the layer's output and residual
     sum, bit for bit, over 20 tokens; dense bf16 experts (top-k by ranks) and Q4_K ones
     (the row kernels' top-k in k rounds)."""
-    from strata.layers.linear import LinearFactory, WeightFormat
-    from strata.layers.moe import SparseMoE
     from strata.weights.random_checkpoint import RandomCheckpoint
     rows = []
     for experts, top_k, qtype in ((128, 8, None), (128, 8, "Q4_K"), (512, 10, "Q4_K")):
-        layer = SparseMoE(256, 256, experts, top_k, True,
-                          LinearFactory(WeightFormat(torch.bfloat16)))
-        gen = torch.Generator(device=device).manual_seed(1)
-        for p in layer.parameters():
-            p.data = torch.empty(p.shape, dtype=torch.bfloat16, device=device).normal_(
-                0, 0.05, generator=gen)
+        layer, gen = random_moe(256, experts, top_k, device, seed=1)
         if qtype:
             for name in ("gate_proj", "up_proj", "down_proj"):
                 param = getattr(layer.experts, name)
