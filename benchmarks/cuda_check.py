@@ -137,7 +137,7 @@ def expert_cache(devices: tuple[str, ...]) -> list[list[str]]:
     same experts all on the device, and greedy tokens of the tiny qwen3_moe (bf16, CUDA
     graphs, drafts) with a quarter of its experts cached against all on the device."""
     from test_moe_triton import grouped_experts, routing, window
-    from test_moe_triton_quant import quantized_experts
+    from test_moe_triton_quant import keep_quantized, quantized_experts
 
     from strata.experts.cache import ExpertCache
     from strata.layers.moe import GroupedExperts
@@ -146,14 +146,9 @@ def expert_cache(devices: tuple[str, ...]) -> list[list[str]]:
     rows = []
 
     def quantized(seed: int) -> GroupedExperts:
-        module = GroupedExperts(2048, 768, 16, quantized=True)
-        for name, (blocks, qtype) in zip(("gate_proj", "up_proj", "down_proj"),
-                                          quantized_experts(("Q4_K", "Q4_K", "Q6_K"), 16,
-                                                            2048, 768, seed=seed)):
-            param = torch.nn.Parameter(blocks, requires_grad=False)
-            param.qtype = qtype
-            setattr(module, name, param)
-        return module
+        return keep_quantized(GroupedExperts(2048, 768, 16, quantized=True),
+                              quantized_experts(("Q4_K", "Q4_K", "Q6_K"), 16, 2048, 768,
+                                                seed=seed))
 
     for kind, make in (("bf16", lambda: grouped_experts(16, 2048, 768, torch.bfloat16)),
                        ("Q4_K/Q4_K/Q6_K", lambda: quantized(0))):
@@ -319,18 +314,17 @@ def moe_choice(device: torch.device) -> list[list[str]]:
     top-k themselves, against the route kernel's choice: the layer's output and residual
     sum, bit for bit, over 20 tokens; dense bf16 experts (top-k by ranks) and Q4_K ones
     (the row kernels' top-k in k rounds)."""
+    from test_moe_triton_quant import keep_quantized
+
     from strata.weights.random_checkpoint import RandomCheckpoint
     rows = []
     for experts, top_k, qtype in ((128, 8, None), (128, 8, "Q4_K"), (512, 10, "Q4_K")):
         layer, gen = random_moe(256, experts, top_k, device, seed=1)
         if qtype:
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                param = getattr(layer.experts, name)
-                blocks = RandomCheckpoint(f"qwen3-30b-a3b:{qtype}").blocks(
-                    name, tuple(param.shape), device)
-                quantized = torch.nn.Parameter(blocks, requires_grad=False)
-                quantized.qtype = qtype
-                setattr(layer.experts, name, quantized)
+            checkpoint = RandomCheckpoint(f"qwen3-30b-a3b:{qtype}")
+            keep_quantized(layer.experts, [
+                (checkpoint.blocks(name, tuple(getattr(layer.experts, name).shape), device),
+                 qtype) for name in ("gate_proj", "up_proj", "down_proj")])
         norm = RMSNorm(256, 1e-6).to(device=device, dtype=torch.bfloat16)
         same = 0
         for _ in range(20):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from test_moe_triton import grouped_experts, routing, window
-from test_moe_triton_quant import quantized_experts
+from test_moe_triton_quant import keep_quantized, quantized_experts
 from test_spec_lossless import copy_heavy_prompts
 
 from strata.config import EngineConfig
@@ -136,14 +136,9 @@ def dense_layers(n: int, experts: int = 8, hidden: int = 32, inter: int = 16):
 def quantized_layers(n: int, experts: int = 8, hidden: int = 64, inter: int = 32):
     layers = []
     for i in range(n):
-        module = GroupedExperts(hidden, inter, experts, quantized=True)
-        for name, (blocks, qtype) in zip(("gate_proj", "up_proj", "down_proj"),
-                                          quantized_experts(("Q8_0", "Q4_0", "Q8_0"), experts,
-                                                            hidden, inter, seed=3 * i)):
-            param = torch.nn.Parameter(blocks, requires_grad=False)
-            param.qtype = qtype
-            setattr(module, name, param)
-        layers.append(module)
+        layers.append(keep_quantized(
+            GroupedExperts(hidden, inter, experts, quantized=True),
+            quantized_experts(("Q8_0", "Q4_0", "Q8_0"), experts, hidden, inter, seed=3 * i)))
     return layers
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import TRITON_TYPES, build_tiny, compile_kernel, offline_compiled, prompts
 from test_moe_triton import assert_matches, grouped_experts, randomized, window
-from test_moe_triton_quant import quantized_experts
+from test_moe_triton_quant import keep_quantized, quantized_experts
 
 pytest.importorskip("triton")
 
@@ -185,11 +185,7 @@ def test_quantized_experts_choose_for_one_token_in_a_layer(qtypes, monkeypatch):
     together, or of two): a one-token window launches `norm_logits` and no route kernel,
     and the row kernels' choice in k rounds gives the route kernel's path bit for bit."""
     layer = randomized(SparseMoE(64, 32, 16, 4, True, LinearFactory()), seed=31)
-    for name, (blocks, qtype) in zip(("gate_proj", "up_proj", "down_proj"),
-                                     quantized_experts(qtypes, 16, 64, 32, seed=7)):
-        param = torch.nn.Parameter(blocks, requires_grad=False)
-        param.qtype = qtype
-        setattr(layer.experts, name, param)
+    keep_quantized(layer.experts, quantized_experts(qtypes, 16, 64, 32, seed=7))
     norm = norm_of(RMSNorm, 64, torch.float32, seed=2)
     x, residual = window(1, 64, seed=32), window(1, 64, seed=33)
     kernel_paths(monkeypatch)

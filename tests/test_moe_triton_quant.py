@@ -61,6 +61,16 @@ def quantized_experts(qtypes: tuple[str, str, str], num_experts: int, hidden: in
             random_experts(down, num_experts, hidden, inter, seed + 2))
 
 
+def keep_quantized(experts: GroupedExperts, pairs) -> GroupedExperts:
+    """`experts` (a GroupedExperts) with its gate, up and down projections replaced by
+    the (blocks, qtype) `pairs`, as the loader leaves experts kept in GGUF blocks."""
+    for name, (blocks, qtype) in zip(("gate_proj", "up_proj", "down_proj"), pairs):
+        param = torch.nn.Parameter(blocks, requires_grad=False)
+        param.qtype = qtype
+        setattr(experts, name, param)
+    return experts
+
+
 def reference(x, experts, weights, gate, up, down) -> torch.Tensor:
     """GroupedExperts' grouped computation over the experts dequantized (reference.py)."""
     num_experts, inter = gate[0].shape[:2]
