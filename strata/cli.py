@@ -165,7 +165,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      edit_file=args.edit_file, users=args.users, turns=args.turns,
                      max_tokens=args.max_tokens, timeout=args.timeout,
                      start_timeout=args.start_timeout, out=args.out, record=args.record,
-                     plot=args.plot, seed=args.seed))
+                     plot=args.plot, seed=args.seed, rounds=args.rounds,
+                     interleave=args.interleave))
     return 0
 
 
@@ -202,6 +203,14 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="keys the prompts' tags: every arm of a run "
                         "sends the same prompts, so arms compare on the same text (default: "
                         "drawn per run and printed; give it to repeat a run's prompts)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the whole protocol N times (fresh servers each round, arms "
+                        "in a rotated order); each cell is the median round's, and a table "
+                        "gives every cell's lowest and highest rate")
+    parser.add_argument("--interleave", action="store_true",
+                        help="start every arm's server at once and take the arms in turn for "
+                        "each workload, so that a host whose speed drifts moves all arms "
+                        "alike (needs the memory of all arms' servers together)")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

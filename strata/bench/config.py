@@ -75,6 +75,8 @@ class BenchConfig:
     record: bool = False
     plot: str | None = None
     seed: int | None = None       # keys the prompts' tags; None: drawn per run
+    rounds: int = 1               # the whole protocol this many times; cells: the median
+    interleave: bool = False      # every arm's server up at once, arms taken in turn
 
     def __post_init__(self) -> None:
         if not self.arms:
@@ -103,6 +105,11 @@ class BenchConfig:
             raise StrataError("--timeout and --start-timeout must be positive seconds")
         if self.seed is not None and self.seed < 0:
             raise StrataError(f"--seed must be >= 0 (got {self.seed})")
+        if self.rounds < 1:
+            raise StrataError(f"--rounds must be at least 1 (got {self.rounds})")
+        if self.interleave and len(self.arms) < 2:
+            raise StrataError("--interleave takes the arms in turn: give two or more arms "
+                              "(--arm, --url)")
         if self.plot is not None and not self.plot.lower().endswith(".png"):
             raise StrataError(f"--plot {self.plot}: give a file name ending in .png")
         if self.plot is not None and set(self.workloads) == {TURNS}:

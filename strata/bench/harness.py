@@ -1,8 +1,10 @@
 """`strata bench`: the coding-agent protocol against every arm — a fresh `strata serve` per
 arm, or an existing OpenAI-compatible URL — then the tables, the raw JSON, and optionally
-a results line and a plot. It owns the order of the measurements; the requests themselves
-are in `client` (the turns workload's conversations in `turns`), the server processes in
-`process`, the rounding in `table`."""
+a results line and a plot. It owns the order of the measurements: arm after arm, or with
+`--interleave` every arm's server at once and the arms in turn per workload; `--rounds`
+times, the arms' order rotated each round (`rounds` picks the median round per cell). The
+requests themselves are in `client` (the turns workload's conversations in `turns`), the
+server processes in `process`, the rounding in `table`."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -21,9 +25,10 @@ from strata.bench.client import concurrent, measure, solo, user
 from strata.bench.config import Arm, BenchConfig
 from strata.bench.process import log_tail, served
 from strata.bench.report import RESULTS, append_result, commit, machine
+from strata.bench.rounds import median_workloads
 from strata.bench.stages import BusyMeter
 from strata.bench.table import (acceptance_table, busy_table, rate, request_workloads,
-                                speed_table, turns_table)
+                                speed_table, spread_table, turns_table)
 from strata.bench.turns import conversations
 from strata.bench.workloads import TURNS
 from strata.errors import StrataError
@@ -64,76 +69,148 @@ def openai_client(base_url: str, api_key: str | None, timeout: float):
                                   max_retries=0, timeout=timeout)
 
 
-def measure_arm(base_url: str, api_key: str | None, config: BenchConfig, progress: Progress,
-                where: str, seed: int) -> tuple[str, dict]:
-    """The served model's name and {workload: {"solo": ..., "concurrent": ...}} (the turns
-    workload: {"users": N, "turns": [...]}); `seed` keys the prompts' tags (the same for
-    every arm of a run)."""
-    # NOTE: closing the client on the way out (an error, Ctrl-C) drops any streams still
-    # running in other threads, so the server aborts them and stops at once.
-    with openai_client(base_url, api_key, config.timeout) as client:
-        models = client.models.list().data
-        if not models:
-            raise StrataError(f"{base_url}/models lists no model")
-        model = models[0].id
-        progress(f"{where}: warm-up")
-        measure(client, model, user(f"[{secrets.token_hex(4)}] {WARMUP_PROMPT}"), WARMUP_TOKENS)
-        out = {}
-        for name in config.workloads:
-            if name == TURNS:
-                out[name] = conversations(
-                    client, model, config.edit_file, config.max_tokens, config.users,
-                    config.turns, seed, on_turn=lambda t: progress(
-                        f"{where}: {TURNS}, turn {t}/{config.turns} "
-                        f"({config.users} conversations)"))
-                continue
-            progress(f"{where}: {name}, 1 user (2 requests of {config.max_tokens} tokens)")
-            with BusyMeter(base_url) as meter:
-                result = {"solo": solo(client, model, name, config.edit_file,
-                                       config.max_tokens, seed)}
-            result["solo"]["stage_busy"] = meter.fractions
-            result["solo"]["expert_hits"] = meter.expert_hits
-            result["solo"]["expert_upload"] = meter.expert_upload
-            result["solo"]["expert_exposed"] = meter.expert_exposed
-            if config.users > 1:
-                progress(f"{where}: {name}, {config.users} users "
-                         f"(1 user: {rate(result['solo']['decode_tok_s'])} tok/s)")
-                with BusyMeter(base_url) as meter:
-                    result["concurrent"] = concurrent(client, model, name, config.edit_file,
-                                                      config.max_tokens, config.users, seed)
-                result["concurrent"]["stage_busy"] = meter.fractions
-                result["concurrent"]["expert_hits"] = meter.expert_hits
-                result["concurrent"]["expert_upload"] = meter.expert_upload
-                result["concurrent"]["expert_exposed"] = meter.expert_exposed
-            out[name] = result
-        return model, out
+def warm_up(client, base_url: str, progress: Progress, where: str) -> str:
+    """The served model's name, after one short request that is not measured."""
+    models = client.models.list().data
+    if not models:
+        raise StrataError(f"{base_url}/models lists no model")
+    model = models[0].id
+    progress(f"{where}: warm-up")
+    measure(client, model, user(f"[{secrets.token_hex(4)}] {WARMUP_PROMPT}"), WARMUP_TOKENS)
+    return model
 
 
-def run_arm(arm: Arm, index: int, config: BenchConfig, log_dir: Path | None,
-            progress: Progress, seed: int) -> dict:
-    where = f"[{index + 1}/{len(config.arms)}] {arm.name}"
-    record = {"name": arm.name, "flags": arm.flags, "url": arm.url, "server_log": None}
-    log = None
+def measure_workload(client, model: str, base_url: str, name: str, config: BenchConfig,
+                     progress: Progress, where: str, seed: int) -> dict:
+    """One workload on one server: {"solo": ..., "concurrent": ...} (the turns workload:
+    {"users": N, "turns": [...]}); `seed` keys the prompts' tags (the same for every arm
+    and every round of a run)."""
+    if name == TURNS:
+        return conversations(
+            client, model, config.edit_file, config.max_tokens, config.users, config.turns,
+            seed, on_turn=lambda t: progress(f"{where}: {TURNS}, turn {t}/{config.turns} "
+                                             f"({config.users} conversations)"))
+    progress(f"{where}: {name}, 1 user (2 requests of {config.max_tokens} tokens)")
+    with BusyMeter(base_url) as meter:
+        result = {"solo": solo(client, model, name, config.edit_file, config.max_tokens,
+                               seed)}
+    meter.annotate(result["solo"])
+    if config.users > 1:
+        progress(f"{where}: {name}, {config.users} users "
+                 f"(1 user: {rate(result['solo']['decode_tok_s'])} tok/s)")
+        with BusyMeter(base_url) as meter:
+            result["concurrent"] = concurrent(client, model, name, config.edit_file,
+                                              config.max_tokens, config.users, seed)
+        meter.annotate(result["concurrent"])
+    return result
+
+
+@contextlib.contextmanager
+def arm_errors(arm: Arm, log: Path | None) -> Iterator[None]:
+    """A failure of this arm's server or requests as one StrataError naming the arm (and
+    the end of its server log)."""
     try:
-        if arm.url is not None:
-            model, workloads = measure_arm(arm.url, arm.api_key, config, progress, where, seed)
-        else:
-            log = log_dir / f"arm{index + 1}.log"
-            record["server_log"] = str(log)
-            progress(f"{where}: starting strata serve {arm.flags}".rstrip())
-            with served(arm.argv, log, config.start_timeout) as base:
-                model, workloads = measure_arm(base + "/v1", arm.serve_api_key(), config,
-                                               progress, where, seed)
+        yield
     except StrataError as e:
         raise StrataError(f"arm '{arm.name}': {e}") from None
     except (openai_module().OpenAIError, httpx.HTTPError) as e:  # connection, timeout, status
         tail = f"; the end of its log {log}:\n{log_tail(log)}" if log is not None else ""
         raise StrataError(f"arm '{arm.name}': {type(e).__name__}: {e}{tail}") from None
+
+
+@dataclass
+class Opened:
+    """An arm ready to measure: its client, served model, base URL and server log."""
+    arm: Arm
+    where: str
+    client: object
+    model: str
+    base_url: str
+    log: Path | None
+
+
+@contextlib.contextmanager
+def opened(arm: Arm, index: int, config: BenchConfig, log_dir: Path | None,
+           progress: Progress, round_: int) -> Iterator[Opened]:
+    """The arm's server started (a fresh `strata serve` for a flags arm; a URL arm's is
+    already up), a client on it and the warm-up done; the server stopped afterwards."""
+    where = f"[{index + 1}/{len(config.arms)}] {arm.name}"
+    if config.rounds > 1:
+        where = f"[round {round_ + 1}/{config.rounds}] {where}"
+    log = None
+    if arm.url is None:
+        suffix = f"-round{round_ + 1}" if config.rounds > 1 else ""
+        log = log_dir / f"arm{index + 1}{suffix}.log"
+    with contextlib.ExitStack() as stack:
+        with arm_errors(arm, log):
+            if arm.url is None:
+                progress(f"{where}: starting strata serve {arm.flags}".rstrip())
+                base = stack.enter_context(served(arm.argv, log, config.start_timeout)) + "/v1"
+                api_key = arm.serve_api_key()
+            else:
+                base, api_key = arm.url, arm.api_key
+            # NOTE: closing the client on the way out (an error, Ctrl-C) drops any streams
+            # still running in other threads, so the server aborts them and stops at once.
+            client = stack.enter_context(openai_client(base, api_key, config.timeout))
+            model = warm_up(client, base, progress, where)
+        yield Opened(arm, where, client, model, base, log)
+
+
+def rotated(items: list, start: int) -> list:
+    """`items` from position `start` (mod its length) round to the one before it."""
+    start %= len(items)
+    return items[start:] + items[:start]
+
+
+def run_round(config: BenchConfig, round_: int, log_dir: Path | None, progress: Progress,
+              seed: int) -> list[dict]:
+    """Every arm measured once, arms in an order rotated by the round: per arm its model,
+    server log and workloads. `--interleave`: every arm's server up at once, the arms
+    taken in turn for each workload (the first one rotating), so that the host's speed
+    drifting over the run moves every arm alike."""
+    arms = list(range(len(config.arms)))
+    out = [{"model": None, "server_log": None, "workloads": {}} for _ in arms]
+
+    def measure_on(i: int, at: Opened, name: str) -> None:
+        with arm_errors(at.arm, at.log):
+            out[i]["workloads"][name] = measure_workload(
+                at.client, at.model, at.base_url, name, config, progress, at.where, seed)
+
+    def record(i: int, at: Opened) -> None:
+        out[i]["model"], out[i]["server_log"] = at.model, str(at.log) if at.log else None
+
+    if config.interleave:
+        with contextlib.ExitStack() as stack:
+            ready = {}
+            for i in rotated(arms, round_):
+                ready[i] = stack.enter_context(opened(config.arms[i], i, config, log_dir,
+                                                      progress, round_))
+                record(i, ready[i])
+            for w, name in enumerate(config.workloads):
+                for i in rotated(arms, round_ + w):
+                    measure_on(i, ready[i], name)
+    else:
+        for i in rotated(arms, round_):
+            with opened(config.arms[i], i, config, log_dir, progress, round_) as at:
+                record(i, at)
+                for name in config.workloads:
+                    measure_on(i, at, name)
+    return out
+
+
+def run_arm_rounds(arm: Arm, rounds: list[dict]) -> dict:
+    """One arm's record: every round's workloads, and per cell the median round's."""
+    workloads = median_workloads([r["workloads"] for r in rounds])
     parts = [w[p] for w in workloads.values() for p in ("solo", "concurrent") if p in w]
     parts += workloads[TURNS]["turns"] if TURNS in workloads else []
     reported = any((part["drafts"] or {}).get("simulated", False) for part in parts)
-    return {**record, "model": model, "simulated": arm.simulated or reported,
-            "workloads": workloads}
+    record = {"name": arm.name, "flags": arm.flags, "url": arm.url,
+              "server_log": rounds[0]["server_log"], "model": rounds[0]["model"],
+              "simulated": arm.simulated or reported, "workloads": workloads}
+    if len(rounds) > 1:
+        record["server_logs"] = [r["server_log"] for r in rounds]
+        record["rounds"] = [r["workloads"] for r in rounds]
+    return record
 
 
 def summary(results: dict) -> dict:
@@ -162,13 +239,19 @@ def print_results(results: dict) -> None:
     turns = f" turns={s['turns']}" if TURNS in s["workloads"] else ""
     print(f"settings: workloads={','.join(s['workloads'])} edit_file={s['edit_file']} "
           f"users={s['users']}{turns} max_tokens={s['max_tokens']} temperature=0 "
-          f"reasoning_effort=none seed={s.get('seed')}")
+          f"reasoning_effort=none seed={s.get('seed')}"
+          + (f" rounds={s['rounds']}" if s.get("rounds", 1) > 1 else "")
+          + (" interleave" if s.get("interleave") else ""))
     for arm in results["arms"]:
         where = f"strata serve {arm['flags']}".rstrip() if arm["url"] is None else arm["url"]
         print(f"arm {arm['name']}: {where} (model {arm['model']})")
     if request_workloads(s):
         print()
         print(speed_table(results))
+        spreads = spread_table(results)
+        if spreads:
+            print()
+            print(spreads)
         print()
         print(acceptance_table(results))
         busy = busy_table(results)
@@ -208,7 +291,7 @@ def check_outputs(config: BenchConfig) -> None:
 
 
 def run(config: BenchConfig) -> dict:
-    """Measures every arm in turn; prints and writes the results; returns them."""
+    """Measures every arm, `--rounds` times; prints and writes the results; returns them."""
     check_outputs(config)
     started = any(arm.url is None for arm in config.arms)
     log_dir = Path(tempfile.mkdtemp(prefix="strata-bench-")) if started else None
@@ -220,15 +303,18 @@ def run(config: BenchConfig) -> dict:
                             "users": config.users, "turns": config.turns,
                             "max_tokens": config.max_tokens,
                             "timeout_s": config.timeout, "warmup_tokens": WARMUP_TOKENS,
-                            "seed": seed},
+                            "seed": seed, "rounds": config.rounds,
+                            "interleave": config.interleave},
                "arms": []}
     progress = Progress()
     with sigterm_unwinds():
         try:
-            for i, arm in enumerate(config.arms):
-                results["arms"].append(run_arm(arm, i, config, log_dir, progress, seed))
+            rounds = [run_round(config, r, log_dir, progress, seed)
+                      for r in range(config.rounds)]
         finally:
             progress.done()
+    results["arms"] = [run_arm_rounds(arm, [r[i] for r in rounds])
+                       for i, arm in enumerate(config.arms)]
     Path(config.out).write_text(json.dumps(results, indent=1) + "\n")
     print_results(results)
     print(f"\nraw numbers: {config.out}" + (f"; server logs: {log_dir}" if started else ""))

@@ -95,3 +95,10 @@ class BusyMeter:
             return
         before = self.before + [0.0] * (len(after) - len(self.before))
         self.fractions = [round((a - b) / wall, 3) for a, b in zip(after, before)]
+
+    def annotate(self, result: dict) -> None:
+        """Writes what was measured into a measurement's result."""
+        result["stage_busy"] = self.fractions
+        result["expert_hits"] = self.expert_hits
+        result["expert_upload"] = self.expert_upload
+        result["expert_exposed"] = self.expert_exposed

@@ -7,6 +7,7 @@ the JSON agree."""
 from __future__ import annotations
 
 from strata.bench.report import markdown_table
+from strata.bench.rounds import spread
 from strata.bench.workloads import TURNS
 
 
@@ -45,6 +46,27 @@ def speed_table(results: dict) -> str:
     rows = [[label(arm)] + [speed_cell(arm["workloads"][w]) for w in workloads]
             for arm in results["arms"]]
     return markdown_table(["tok/s", *columns], rows)
+
+
+def spread_table(results: dict) -> str | None:
+    """With --rounds N > 1: each measurement's lowest and highest rate over the rounds
+    ('1196-1262 / 3400-3800'); None for one round."""
+    settings = results["settings"]
+    if settings.get("rounds", 1) <= 1:
+        return None
+    users = settings["users"]
+    workloads = request_workloads(settings)
+    parts = ("solo", "concurrent") if users > 1 else ("solo",)
+
+    def cell(rounds: list[dict], name: str) -> str:
+        ranges = [spread(rounds, name, part) for part in parts]
+        return " / ".join("-" if r is None else f"{rate(r[0])}-{rate(r[1])}" for r in ranges)
+
+    rows = [[label(arm)] + [cell(arm["rounds"], w) for w in workloads]
+            for arm in results["arms"]]
+    title = f"tok/s over {settings['rounds']} rounds, lowest-highest"
+    columns = [f"{w}: 1 user" + (f" / {users} users" if users > 1 else "") for w in workloads]
+    return markdown_table([title, *columns], rows)
 
 
 def acceptance_cell(drafts: dict | None) -> str:
