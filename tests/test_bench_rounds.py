@@ -107,3 +107,28 @@ def test_bad_round_settings_one_line_exit_2(tmp_path, args, needle):
     result = bench(*args, cwd=tmp_path, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
     assert needle in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_run_cut_short_keeps_its_finished_rounds(tmp_path, monkeypatch):
+    """--out is written after every round: a failure (or a kill) in round 2 leaves round
+    1's numbers on disk."""
+    from strata.bench import harness
+    from strata.bench.config import BenchConfig, parse_arm
+    from strata.errors import StrataError
+
+    def measured(config, round_, log_dir, progress, seed):
+        if round_ == 1:
+            raise StrataError("arm 'a': the server went away")
+        cell = {"solo": {"decode_tok_s": 100.0, "drafts": None}}
+        return [{"model": "m", "server_log": None, "workloads": {"edit": cell}}]
+
+    monkeypatch.setattr(harness, "run_round", measured)
+    out = tmp_path / "out.json"
+    config = BenchConfig(arms=(parse_arm("a="),), workloads=("edit",), users=1, rounds=3,
+                         out=str(out))
+    with pytest.raises(StrataError, match="went away"):
+        harness.run(config)
+    raw = json.loads(out.read_text())
+    assert raw["rounds_done"] == 1 and raw["settings"]["rounds"] == 3
+    arm, = raw["arms"]
+    assert len(arm["rounds"]) == 1 and arm["workloads"]["edit"]["solo"]["decode_tok_s"] == 100.0

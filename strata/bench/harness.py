@@ -198,8 +198,9 @@ def run_round(config: BenchConfig, round_: int, log_dir: Path | None, progress: 
     return out
 
 
-def run_arm_rounds(arm: Arm, rounds: list[dict]) -> dict:
-    """One arm's record: every round's workloads, and per cell the median round's."""
+def run_arm_rounds(arm: Arm, rounds: list[dict], planned: int) -> dict:
+    """One arm's record: per cell the median round's, and with more than one round
+    `planned`, every round's workloads so far."""
     workloads = median_workloads([r["workloads"] for r in rounds])
     parts = [w[p] for w in workloads.values() for p in ("solo", "concurrent") if p in w]
     parts += workloads[TURNS]["turns"] if TURNS in workloads else []
@@ -207,7 +208,7 @@ def run_arm_rounds(arm: Arm, rounds: list[dict]) -> dict:
     record = {"name": arm.name, "flags": arm.flags, "url": arm.url,
               "server_log": rounds[0]["server_log"], "model": rounds[0]["model"],
               "simulated": arm.simulated or reported, "workloads": workloads}
-    if len(rounds) > 1:
+    if planned > 1:
         record["server_logs"] = [r["server_log"] for r in rounds]
         record["rounds"] = [r["workloads"] for r in rounds]
     return record
@@ -307,15 +308,18 @@ def run(config: BenchConfig) -> dict:
                             "interleave": config.interleave},
                "arms": []}
     progress = Progress()
+    rounds: list[list[dict]] = []
     with sigterm_unwinds():
         try:
-            rounds = [run_round(config, r, log_dir, progress, seed)
-                      for r in range(config.rounds)]
+            for r in range(config.rounds):
+                rounds.append(run_round(config, r, log_dir, progress, seed))
+                # NOTE: written after every round: a run cut short keeps what it measured
+                results["rounds_done"] = len(rounds)
+                results["arms"] = [run_arm_rounds(arm, [r[i] for r in rounds], config.rounds)
+                                   for i, arm in enumerate(config.arms)]
+                Path(config.out).write_text(json.dumps(results, indent=1) + "\n")
         finally:
             progress.done()
-    results["arms"] = [run_arm_rounds(arm, [r[i] for r in rounds])
-                       for i, arm in enumerate(config.arms)]
-    Path(config.out).write_text(json.dumps(results, indent=1) + "\n")
     print_results(results)
     print(f"\nraw numbers: {config.out}" + (f"; server logs: {log_dir}" if started else ""))
     if config.record:
