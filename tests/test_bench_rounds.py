@@ -1,8 +1,9 @@
 """`strata bench --rounds N --interleave`: a two-round interleaved run of two started arms
 of a tiny random model on CPU — every round in the JSON, each cell the median round's
-record whole, the spread table agreeing with the rounds, the arms taken in turn with both
-servers up, the first arm rotating by round and workload, and no server left behind; the
-median and rotation rules as plain functions; bad settings as one line."""
+record whole, the spread table agreeing with the rounds, both servers started together
+and the arms taken in turn, the first arm rotating by round and workload, no server left
+behind, and a run cut short keeping its finished rounds; the median and rotation rules as
+plain functions; bad settings as one line."""
 
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ def test_arms_take_turns_with_both_servers_up(run):
     # round 1: both servers start before any measurement, then no drafts goes first on
     # edit and second on prose; round 2 starts with the other arm
     assert starts[1] < edits[0] and starts[2] > edits[1] and starts[3] < edits[2]
+    warm = [i for i, line in enumerate(lines) if line.endswith(": warm-up")]
+    assert starts[1] < warm[0] and starts[3] < warm[2]  # started together, then waited for
     order = [re.search(r"\] (no drafts|drafts): (edit|prose), 1 user", line).groups()
              for line in lines if ", 1 user" in line]
     assert order == [("no drafts", "edit"), ("drafts", "edit"), ("drafts", "prose"),

@@ -1,7 +1,7 @@
 """`strata bench`: the coding-agent protocol against every arm — a fresh `strata serve` per
 arm, or an existing OpenAI-compatible URL — then the tables, the raw JSON, and optionally
 a results line and a plot. It owns the order of the measurements: arm after arm, or with
-`--interleave` every arm's server at once and the arms in turn per workload; `--rounds`
+`--interleave` every arm's server started at once and the arms in turn per workload; `--rounds`
 times, the arms' order rotated each round (`rounds` picks the median round per cell). The
 requests themselves are in `client` (the turns workload's conversations in `turns`), the
 server processes in `process`, the rounding in `table`."""
@@ -23,7 +23,7 @@ import httpx
 
 from strata.bench.client import concurrent, measure, solo, user
 from strata.bench.config import Arm, BenchConfig
-from strata.bench.process import log_tail, served
+from strata.bench.process import Server, log_tail, started, wait_healthy
 from strata.bench.report import RESULTS, append_result, commit, machine
 from strata.bench.rounds import median_workloads
 from strata.bench.stages import BusyMeter
@@ -129,24 +129,36 @@ class Opened:
     log: Path | None
 
 
+def arm_log(index: int, config: BenchConfig, log_dir: Path | None, round_: int) -> Path | None:
+    """A started arm's server log (None for a URL arm)."""
+    if config.arms[index].url is not None:
+        return None
+    return log_dir / (f"arm{index + 1}" + (f"-round{round_ + 1}" if config.rounds > 1 else "")
+                      + ".log")
+
+
+def arm_where(index: int, config: BenchConfig, round_: int) -> str:
+    """The arm as progress lines name it: '[round 2/3] [1/2] drafts'."""
+    where = f"[{index + 1}/{len(config.arms)}] {config.arms[index].name}"
+    return f"[round {round_ + 1}/{config.rounds}] {where}" if config.rounds > 1 else where
+
+
 @contextlib.contextmanager
-def opened(arm: Arm, index: int, config: BenchConfig, log_dir: Path | None,
-           progress: Progress, round_: int) -> Iterator[Opened]:
-    """The arm's server started (a fresh `strata serve` for a flags arm; a URL arm's is
-    already up), a client on it and the warm-up done; the server stopped afterwards."""
-    where = f"[{index + 1}/{len(config.arms)}] {arm.name}"
-    if config.rounds > 1:
-        where = f"[round {round_ + 1}/{config.rounds}] {where}"
-    log = None
-    if arm.url is None:
-        suffix = f"-round{round_ + 1}" if config.rounds > 1 else ""
-        log = log_dir / f"arm{index + 1}{suffix}.log"
+def opened(index: int, config: BenchConfig, log_dir: Path | None, progress: Progress,
+           round_: int, server: Server | None = None) -> Iterator[Opened]:
+    """The arm ready: a flags arm's fresh `strata serve` (`server`: one started already)
+    answering /health, a client on it and the warm-up done; the server stopped afterwards
+    (a URL arm's server is already up)."""
+    arm, where = config.arms[index], arm_where(index, config, round_)
+    log = arm_log(index, config, log_dir, round_)
     with contextlib.ExitStack() as stack:
         with arm_errors(arm, log):
             if arm.url is None:
-                progress(f"{where}: starting strata serve {arm.flags}".rstrip())
-                base = stack.enter_context(served(arm.argv, log, config.start_timeout)) + "/v1"
-                api_key = arm.serve_api_key()
+                if server is None:
+                    progress(f"{where}: starting strata serve {arm.flags}".rstrip())
+                    server = stack.enter_context(started(arm.argv, log))
+                wait_healthy(server.proc, server.base, log, config.start_timeout)
+                base, api_key = server.base + "/v1", arm.serve_api_key()
             else:
                 base, api_key = arm.url, arm.api_key
             # NOTE: closing the client on the way out (an error, Ctrl-C) drops any streams
@@ -181,17 +193,24 @@ def run_round(config: BenchConfig, round_: int, log_dir: Path | None, progress: 
 
     if config.interleave:
         with contextlib.ExitStack() as stack:
-            ready = {}
+            servers, ready = {}, {}
+            for i in rotated(arms, round_):  # all started at once, then each waited for
+                arm, log = config.arms[i], arm_log(i, config, log_dir, round_)
+                if arm.url is None:
+                    progress(f"{arm_where(i, config, round_)}: starting strata serve "
+                             f"{arm.flags}".rstrip())
+                    with arm_errors(arm, log):
+                        servers[i] = stack.enter_context(started(arm.argv, log))
             for i in rotated(arms, round_):
-                ready[i] = stack.enter_context(opened(config.arms[i], i, config, log_dir,
-                                                      progress, round_))
+                ready[i] = stack.enter_context(opened(i, config, log_dir, progress, round_,
+                                                      servers.get(i)))
                 record(i, ready[i])
             for w, name in enumerate(config.workloads):
                 for i in rotated(arms, round_ + w):
                     measure_on(i, ready[i], name)
     else:
         for i in rotated(arms, round_):
-            with opened(config.arms[i], i, config, log_dir, progress, round_) as at:
+            with opened(i, config, log_dir, progress, round_) as at:
                 record(i, at)
                 for name in config.workloads:
                     measure_on(i, at, name)

@@ -1,5 +1,6 @@
 """One fresh `strata serve` process per arm: started on a free loopback port in its own
-process group, logging to a file, ready once `/health` answers 200, and always stopped
+process group (several at once where the bench interleaves its arms, each then waited
+for), logging to a file, ready once `/health` answers 200, and always stopped
 (SIGTERM, then SIGKILL after a grace period) — on success, on errors and on Ctrl-C."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -65,9 +67,17 @@ def wait_healthy(proc: subprocess.Popen, base: str, log: Path, timeout: float) -
         time.sleep(0.25)
 
 
+@dataclass(frozen=True)
+class Server:
+    proc: subprocess.Popen
+    base: str  # its base URL (no /v1)
+    log: Path
+
+
 @contextlib.contextmanager
-def served(argv: list[str], log: Path, timeout: float) -> Iterator[str]:
-    """Runs `strata serve ARGV` until the block ends; yields its base URL (no /v1)."""
+def started(argv: list[str], log: Path) -> Iterator[Server]:
+    """Starts `strata serve ARGV` and yields at once (it is not ready yet: `wait_healthy`);
+    stops it when the block ends."""
     port = free_port()
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -76,8 +86,6 @@ def served(argv: list[str], log: Path, timeout: float) -> Iterator[str]:
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)  # its own group: Ctrl-C reaches us, we stop it
     try:
-        base = f"http://127.0.0.1:{port}"
-        wait_healthy(proc, base, log, timeout)
-        yield base
+        yield Server(proc, f"http://127.0.0.1:{port}", log)
     finally:
         stop(proc)
