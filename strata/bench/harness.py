@@ -1,10 +1,10 @@
 """`strata bench`: the coding-agent protocol against every arm — a fresh `strata serve` per
 arm, or an existing OpenAI-compatible URL — then the tables, the raw JSON, and optionally
 a results line and a plot. It owns the order of the measurements: arm after arm, or with
-`--interleave` every arm's server started at once and the arms in turn per workload; `--rounds`
-times, the arms' order rotated each round (`rounds` picks the median round per cell). The
-requests themselves are in `client` (the turns workload's conversations in `turns`), the
-server processes in `process`, the rounding in `table`."""
+`--interleave` every arm's server started at once and the arms in turn per workload;
+`--rounds` times, the arms' order rotated each round (`rounds` picks each cell's median
+round). The requests themselves are in `client` (the turns workload's conversations in
+`turns`), the server processes in `process`, the rounding in `table`."""
 
 from __future__ import annotations
 
@@ -265,19 +265,12 @@ def print_results(results: dict) -> None:
     for arm in results["arms"]:
         where = f"strata serve {arm['flags']}".rstrip() if arm["url"] is None else arm["url"]
         print(f"arm {arm['name']}: {where} (model {arm['model']})")
-    if request_workloads(s):
-        print()
-        print(speed_table(results))
-        spreads = spread_table(results)
-        if spreads:
-            print()
-            print(spreads)
-        print()
-        print(acceptance_table(results))
-        busy = busy_table(results)
-        if busy:
-            print()
-            print(busy)
+    if request_workloads(s):  # the spread and busy tables only where they have numbers
+        for text in (speed_table(results), spread_table(results), acceptance_table(results),
+                     busy_table(results)):
+            if text:
+                print()
+                print(text)
     if TURNS in s["workloads"]:
         for arm in results["arms"]:
             print()
