@@ -30,12 +30,11 @@ import itertools
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 from strata.bench.report import add_record_flags, commit, machine, markdown_table, record
-from strata.bench.timing import GRAPH_CALLS, median_seconds, random_weights
+from strata.bench.timing import GRAPH_CALLS, bandwidth, median_seconds, random_weights
 from strata.layers.linear import LinearFactory, WeightFormat
 from strata.layers.moe import SparseMoE
 from strata.layers.norm import RMSNorm
@@ -51,21 +50,6 @@ def moe_layer(args, device: torch.device, dtype: torch.dtype) -> SparseMoE:
                       args.top_k or preset["num_experts_per_tok"], preset["norm_topk_prob"],
                       LinearFactory(WeightFormat(dtype)))
     return random_weights(layer, device, dtype)
-
-
-def bandwidth(device: torch.device) -> float:
-    """Bytes per second of a device-to-device copy of 1 GiB (read + write counted)."""
-    if device.type != "cuda":
-        return float("nan")
-    src = torch.empty(2 ** 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    torch.cuda.synchronize(device)
-    return 2 * 10 * src.numel() / (time.perf_counter() - start)
 
 
 def main() -> int:

@@ -1,15 +1,20 @@
-"""Solo speed of one request: prefill tok/s and decode tok/s.
+"""Solo speed of one request: prefill tok/s and decode tok/s, and decode against its
+bandwidth roofline.
 
     .venv/bin/python benchmarks/solo_speed.py                          # default model, CPU
     .venv/bin/python benchmarks/solo_speed.py --model random:smollm2-135m --devices cuda:0
 
 Prints a table with the machine, commit and settings; `--record` appends the raw numbers
 to benchmarks/results.jsonl. Prompts are random token ids: speed does not depend on them.
+The roofline: the weight bytes one decode step reads (strata/weights/traffic.py: a MoE
+layer's top-k experts, no embedding table, no KV cache) at the device's bandwidth (a
+device-to-device copy, or `--bandwidth`), for stages in this process on one CUDA device.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -17,10 +22,12 @@ import time
 import torch
 
 from strata.bench.report import add_record_flags, commit, machine, markdown_table, record
+from strata.bench.timing import bandwidth
 from strata.cli import add_engine_flags, engine_config
 from strata.engine.engine import Engine
 from strata.errors import StrataError
 from strata.sampling.params import SamplingParams
+from strata.weights.traffic import decode_bytes
 
 
 def measure(engine: Engine, prompt_tokens: int, decode_tokens: int, seed: int) -> tuple[float, float]:
@@ -43,6 +50,8 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bandwidth", type=float,
+                        help="device GB/s for the roofline (default: measured on CUDA)")
     add_record_flags(parser)
     add_engine_flags(parser, defaults={"spec": 0})  # plain decode unless --spec is given
     args = parser.parse_args()
@@ -64,18 +73,36 @@ def main() -> int:
     settings = (f"devices={','.join(config.devices)} dtype={config.torch_dtype()} "
                 f"kv={config.kv_dtype()} split={list(config.layer_split) or '-'} spec={config.spec} "
                 f"threads={torch.get_num_threads()}")
-    weights = [f"stage {s.index}: {s.weights.describe()}"
-               for s in getattr(engine.runner, "stages", []) if s.weights is not None]
+    stages = getattr(engine.runner, "stages", [])
+    weights = [f"stage {s.index}: {s.weights.describe()}" for s in stages
+               if s.weights is not None]
+    read = sum(decode_bytes(s.module) for s in stages) if stages else None
+    devices = {torch.device(d) for d in config.devices}
+    if args.bandwidth:
+        speed = args.bandwidth * 1e9
+    elif len(devices) == 1:
+        speed = bandwidth(devices.pop())  # NaN off CUDA
+    else:
+        speed = math.nan  # stages on several devices: no one bandwidth
+    roofline = speed / read if read else math.nan  # tok/s if a step were its reads alone
+    line = "-" if read is None else f"{read / 2**20:.1f} MiB of weights a decode step"
+    if not math.isnan(speed):
+        line += f" at {speed / 1e9:.0f} GB/s ({'given' if args.bandwidth else 'measured'})"
     print(f"machine: {machine()}\ncommit: {commit()}\nmodel: {model}\nsettings: {settings}")
-    print("weights: " + ("; ".join(weights) or "in the stage processes (see their log)") + "\n")
+    print("weights: " + ("; ".join(weights) or "in the stage processes (see their log)"))
+    print(f"roofline: {line}\n")
+    median = statistics.median(decode)
     print(markdown_table(
-        ["prompt tokens", "decode tokens", "prefill tok/s (median)", "decode tok/s (median)"],
+        ["prompt tokens", "decode tokens", "prefill tok/s (median)", "decode tok/s (median)",
+         "roofline tok/s", "of the roofline"],
         [[args.prompt_tokens, args.decode_tokens, f"{statistics.median(prefill):.0f}",
-          f"{statistics.median(decode):.1f}"]]))
+          f"{median:.1f}", "-" if math.isnan(roofline) else f"{roofline:.0f}",
+          "-" if math.isnan(roofline) else f"{median / roofline:.0%}"]]))
     record(args, {
         "benchmark": "solo_speed", "model": model, "settings": settings,
         "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
-        "prefill_tok_s": prefill, "decode_tok_s": decode, "weights": weights})
+        "prefill_tok_s": prefill, "decode_tok_s": decode, "weights": weights,
+        "decode_bytes": read, "bandwidth": None if math.isnan(speed) else speed})
     return 0
 
 

@@ -1,8 +1,8 @@
 """Helpers of the kernel benchmarks (benchmarks/moe_cost.py, quant_speed.py,
-deltanet_cost.py): the median time of a call — on CUDA replayed from a CUDA graph of
-several calls where the call can be captured (launches and the replay's own cost not
-counted) unless asked to run eagerly, else eagerly with a sync around each call — and
-random weights for a layer built on its own."""
+deltanet_cost.py, solo_speed.py): the median time of a call — on CUDA replayed from a CUDA
+graph of several calls where the call can be captured (launches and the replay's own cost
+not counted) unless asked to run eagerly, else eagerly with a sync around each call —,
+random weights for a layer built on its own, and the device's memory bandwidth."""
 
 from __future__ import annotations
 
@@ -56,3 +56,19 @@ def random_weights(module: torch.nn.Module, device: torch.device, dtype: torch.d
             p.data = torch.empty(p.shape, dtype=dtype, device=device).normal_(
                 0.0, 0.02, generator=gen)
     return module
+
+
+def bandwidth(device: torch.device) -> float:
+    """Bytes per second of a device-to-device copy of 1 GiB (read + write counted); NaN
+    off CUDA."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(2 ** 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    return 2 * 10 * src.numel() / (time.perf_counter() - start)
