@@ -37,15 +37,19 @@ def speed_cell(result: dict) -> str:
     return text
 
 
+def speed_columns(settings: dict) -> list[str]:
+    """'code: 1 user / 4 users', ... (one column per workload of one request each)."""
+    users = settings["users"]
+    return [f"{w}: 1 user" + (f" / {users} users" if users > 1 else "")
+            for w in request_workloads(settings)]
+
+
 def speed_table(results: dict) -> str:
     """| tok/s | code: 1 user / 4 users | ... | with '139 / 209 (56-62 each)' cells."""
-    settings = results["settings"]
-    users = settings["users"]
-    workloads = request_workloads(settings)
-    columns = [f"{w}: 1 user" + (f" / {users} users" if users > 1 else "") for w in workloads]
+    workloads = request_workloads(results["settings"])
     rows = [[label(arm)] + [speed_cell(arm["workloads"][w]) for w in workloads]
             for arm in results["arms"]]
-    return markdown_table(["tok/s", *columns], rows)
+    return markdown_table(["tok/s", *speed_columns(results["settings"])], rows)
 
 
 def spread_table(results: dict) -> str | None:
@@ -54,9 +58,8 @@ def spread_table(results: dict) -> str | None:
     settings = results["settings"]
     if settings.get("rounds", 1) <= 1:
         return None
-    users = settings["users"]
     workloads = request_workloads(settings)
-    parts = ("solo", "concurrent") if users > 1 else ("solo",)
+    parts = ("solo", "concurrent") if settings["users"] > 1 else ("solo",)
 
     def cell(rounds: list[dict], name: str) -> str:
         ranges = [spread(rounds, name, part) for part in parts]
@@ -65,8 +68,7 @@ def spread_table(results: dict) -> str | None:
     rows = [[label(arm)] + [cell(arm["rounds"], w) for w in workloads]
             for arm in results["arms"]]
     title = f"tok/s over {settings['rounds']} rounds, lowest-highest"
-    columns = [f"{w}: 1 user" + (f" / {users} users" if users > 1 else "") for w in workloads]
-    return markdown_table([title, *columns], rows)
+    return markdown_table([title, *speed_columns(settings)], rows)
 
 
 def acceptance_cell(drafts: dict | None) -> str:
