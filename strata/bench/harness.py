@@ -143,6 +143,16 @@ def arm_where(index: int, config: BenchConfig, round_: int) -> str:
     return f"[round {round_ + 1}/{config.rounds}] {where}" if config.rounds > 1 else where
 
 
+def start(stack: contextlib.ExitStack, index: int, config: BenchConfig,
+          log_dir: Path | None, progress: Progress, round_: int) -> Server:
+    """Starts a flags arm's fresh `strata serve` (stopped when `stack` closes); it is not
+    ready yet (`opened` waits for it)."""
+    arm, log = config.arms[index], arm_log(index, config, log_dir, round_)
+    progress(f"{arm_where(index, config, round_)}: starting strata serve {arm.flags}".rstrip())
+    with arm_errors(arm, log):
+        return stack.enter_context(started(arm.argv, log))
+
+
 @contextlib.contextmanager
 def opened(index: int, config: BenchConfig, log_dir: Path | None, progress: Progress,
            round_: int, server: Server | None = None) -> Iterator[Opened]:
@@ -152,11 +162,10 @@ def opened(index: int, config: BenchConfig, log_dir: Path | None, progress: Prog
     arm, where = config.arms[index], arm_where(index, config, round_)
     log = arm_log(index, config, log_dir, round_)
     with contextlib.ExitStack() as stack:
+        if arm.url is None and server is None:
+            server = start(stack, index, config, log_dir, progress, round_)
         with arm_errors(arm, log):
             if arm.url is None:
-                if server is None:
-                    progress(f"{where}: starting strata serve {arm.flags}".rstrip())
-                    server = stack.enter_context(started(arm.argv, log))
                 wait_healthy(server.proc, server.base, log, config.start_timeout)
                 base, api_key = server.base + "/v1", arm.serve_api_key()
             else:
@@ -193,15 +202,10 @@ def run_round(config: BenchConfig, round_: int, log_dir: Path | None, progress: 
 
     if config.interleave:
         with contextlib.ExitStack() as stack:
-            servers, ready = {}, {}
-            for i in rotated(arms, round_):  # all started at once, then each waited for
-                arm, log = config.arms[i], arm_log(i, config, log_dir, round_)
-                if arm.url is None:
-                    progress(f"{arm_where(i, config, round_)}: starting strata serve "
-                             f"{arm.flags}".rstrip())
-                    with arm_errors(arm, log):
-                        servers[i] = stack.enter_context(started(arm.argv, log))
-            for i in rotated(arms, round_):
+            servers = {i: start(stack, i, config, log_dir, progress, round_)  # all at once,
+                       for i in rotated(arms, round_) if config.arms[i].url is None}
+            ready = {}
+            for i in rotated(arms, round_):  # then each waited for
                 ready[i] = stack.enter_context(opened(i, config, log_dir, progress, round_,
                                                       servers.get(i)))
                 record(i, ready[i])
@@ -306,12 +310,12 @@ def check_outputs(config: BenchConfig) -> None:
 def run(config: BenchConfig) -> dict:
     """Measures every arm, `--rounds` times; prints and writes the results; returns them."""
     check_outputs(config)
-    started = any(arm.url is None for arm in config.arms)
-    log_dir = Path(tempfile.mkdtemp(prefix="strata-bench-")) if started else None
+    starts = any(arm.url is None for arm in config.arms)
+    log_dir = Path(tempfile.mkdtemp(prefix="strata-bench-")) if starts else None
     seed = config.seed if config.seed is not None else secrets.randbelow(2 ** 32)
     results = {"benchmark": "strata bench", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                "machine": machine(), "commit": commit(),
-               "log_dir": str(log_dir) if started else None,
+               "log_dir": str(log_dir) if starts else None,
                "settings": {"workloads": list(config.workloads), "edit_file": config.edit_file,
                             "users": config.users, "turns": config.turns,
                             "max_tokens": config.max_tokens,
@@ -333,7 +337,7 @@ def run(config: BenchConfig) -> dict:
         finally:
             progress.done()
     print_results(results)
-    print(f"\nraw numbers: {config.out}" + (f"; server logs: {log_dir}" if started else ""))
+    print(f"\nraw numbers: {config.out}" + (f"; server logs: {log_dir}" if starts else ""))
     if config.record:
         append_result(RESULTS, summary(results))
         print(f"recorded in {RESULTS}")
