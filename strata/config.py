@@ -198,7 +198,9 @@ class EngineConfig:
         "is void and dropped. off: the slot sits that window out (docs/SPECULATIVE.md)",
         choices=("on", "off")))
     spec_pricing: str = field(default="fixed", metadata=_opt(
-        "fixed (default): drafts cost --spec-window-cost and --spec-token-cost; measured: "
+        "fixed (default): drafts cost --spec-window-cost and --spec-token-cost; shared: "
+        "fixed, with a draft token's --spec-token-cost charged once for every slot its window "
+        "carries (a longer window delays each slot's next token); measured: "
         "drafting is also charged what the engine's recent steps show a drafted entry and "
         "a drafted token cost (host and device time, in the tokens the engine would have "
         "made meanwhile), added to those (slower than fixed on the H200 so far: "
@@ -206,7 +208,7 @@ class EngineConfig:
         "stage's time when every stage is busy, or to its own group's trip through the "
         "stages when they wait on each other, in the tokens the engine makes meanwhile "
         "(the stages' costs from --profile, else measured per window; docs/BATCHING.md)",
-        choices=("fixed", "measured", "load")))
+        choices=("fixed", "shared", "measured", "load")))
     profile: str | None = field(default=None, metadata=_opt(
         "a profile written by `strata calibrate`: its settings become the defaults (flags "
         "given still win) and its stage costs price drafts under --spec-pricing load"))

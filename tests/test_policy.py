@@ -68,3 +68,35 @@ def test_drafts_after_a_guess_keep_their_own_running_acceptance():
     policy.record(r, known, accepted=4)
     assert policy.draft(r, room=8, window_cost=0.5, known=1) is None
     assert r.draft_stats.by_proposer["fixed"].drafted == 2 * 3 + 4  # one proposer's stats
+
+
+def test_shared_pricing_charges_a_token_to_every_slot_of_its_window():
+    """`--spec-pricing shared`: a draft token delays every slot of the window, so with four
+    slots it must be worth four times --spec-token-cost; alone it is priced as fixed."""
+    proposer = Fixed("p", [5, 6, 7, 8], [0.95, 0.6, 0.3, 0.15])
+    shared = DraftPolicy([proposer], token_cost=0.1, shared=True)
+    fixed = DraftPolicy([proposer], token_cost=0.1)
+    assert shared.draft(request(), room=8, slots=1).tokens == [5, 6, 7, 8]
+    assert shared.draft(request(), room=8, slots=4).tokens == [5, 6]  # 0.3 < 4 x 0.1
+    assert fixed.draft(request(), room=8, slots=4).tokens == [5, 6, 7, 8]
+    assert shared.draft(request(), room=8, slots=10) is None          # 0.95 < 10 x 0.1
+
+
+def test_the_scheduler_prices_drafts_by_the_slots_their_window_carries():
+    """Through the scheduler, shared pricing sees every slot of the window: one request
+    drafts all four tokens, four requests together only the two worth 0.4 or more."""
+    from strata.scheduler.scheduler import Scheduler
+
+    def drafted(users: int, ahead: bool) -> list[int]:
+        policy = DraftPolicy([Fixed("p", [5, 6, 7, 8], [0.95, 0.6, 0.3, 0.15])],
+                             token_cost=0.1, shared=True)
+        sched = Scheduler(num_slots=4, max_context=64, max_window_tokens=64, block_size=4,
+                          drafts=policy, ahead=ahead)
+        for _ in range(users):
+            sched.add(Request([1, 2, 3], SamplingParams(temperature=0, max_tokens=20)))
+        sched.commit(sched.schedule(), [[9]] * users)  # the prompts
+        return list(sched.schedule().header.num_drafts)
+
+    for ahead in (False, True):
+        assert drafted(1, ahead) == [4]
+        assert drafted(4, ahead) == [2, 2, 2, 2]

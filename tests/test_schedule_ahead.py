@@ -365,7 +365,7 @@ def test_a_draft_on_a_guess_counts_only_what_follows_it():
     asked = []
 
     class Recording(DraftPolicy):
-        def draft(self, request, room, window_cost=0.0, known=0, window_tokens=1):
+        def draft(self, request, room, window_cost=0.0, known=0, window_tokens=1, slots=1):
             asked.append((window_cost, known, room))
             return None
 

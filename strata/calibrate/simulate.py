@@ -299,7 +299,7 @@ def _policy(config: EngineConfig, truth: dict[str, list[int]], acceptance: float
     if config.spec == 0:
         return None
     if config.spec_pricing == "measured":
-        raise StrataError("the simulator prices drafts fixed or by load; --spec-pricing "
+        raise StrataError("the simulator prices drafts fixed, shared or by load; --spec-pricing "
                           "measured times the host, which it does not run")
     if acceptance is not None:
         proposers = [TraceProposer(truth, acceptance, config.spec, seed)]
@@ -308,4 +308,5 @@ def _policy(config: EngineConfig, truth: dict[str, list[int]], acceptance: float
         names = [n for n in (config.spec_type or ("suffix", "lookup")) if n != "mtp"]
         proposers = [p for p in (PROPOSERS[n](config) for n in names) if p is not None]
     load = from_profile(profile, config) if config.spec_pricing == "load" else None
-    return DraftPolicy(proposers, config.spec_token_cost, load=load)
+    return DraftPolicy(proposers, config.spec_token_cost, load=load,
+                       shared=config.spec_pricing == "shared")

@@ -14,7 +14,10 @@ price is added to the window cost, and a token costs the larger of its measured 
 `--spec-token-cost`. With `load` (`--spec-pricing load`, load_pricing.py) the drafts of a
 window's slots are decided together (`draft_window`): their tokens, best first, as many
 as make the most tokens per second given what the stages' costs and load say more tokens
-in this window take. The policy also forwards each request's lifecycle to every proposer.
+in this window take. With `shared` (`--spec-pricing shared`) a draft token costs
+`--spec-token-cost` once for every slot of its window: the longer window delays each
+slot's next token, not only the drafting slot's. The policy also forwards each request's
+lifecycle to every proposer.
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ MAX_RATE = 2.0        # scores that prove pessimistic may be trusted up to twice
 
 class DraftPolicy:
     def __init__(self, proposers: list[Proposer], token_cost: float,
-                 pricing: DraftPricing | None = None, load: LoadPricing | None = None):
+                 pricing: DraftPricing | None = None, load: LoadPricing | None = None,
+                 shared: bool = False):
         self.proposers = proposers
         self.token_cost = token_cost
+        self.shared = shared    # a token's cost is charged to every slot of the window
         self.pricing = pricing  # measured prices (None: the fixed costs alone)
         self.load = load        # prices from stage costs and load (None: per-token prices)
         # per (request, proposer): accepted and expected tokens of its drafts, decaying
@@ -73,20 +78,21 @@ class DraftPolicy:
 
     # -- drafting -------------------------------------------------------------------------
     def draft(self, request: Request, room: int, window_cost: float = 0.0,
-              known: int = 0, window_tokens: int = 1) -> Draft | None:
+              known: int = 0, window_tokens: int = 1, slots: int = 1) -> Draft | None:
         """The best draft for the request's next window, at most `room` tokens (each
         proposer also keeps to its own limit), if its net gain exceeds `window_cost`.
         `known`: the proposers' first tokens come anyway (a window in flight computes
         them: they guess its token), so only the tokens after them count as gain, and
         the draft holds those alone (`after_guess`; such drafts keep their own running
         acceptance, which a wrong guess lowers). `window_tokens`: the tokens the window
-        carries without this draft (load prices)."""
+        carries without this draft (load prices); `slots`: the slots the window carries
+        (shared prices)."""
         if room <= 0:
             return None
         if self.load is not None:
             return self.draft_window([request], [room], room, window_tokens, window_cost,
                                      known=known)[0]
-        token_cost = self.token_cost
+        token_cost = self.token_cost * (max(slots, 1) if self.shared else 1)
         if self.pricing is not None:
             window_cost += self.pricing.entry_cost
             token_cost = max(token_cost, self.pricing.token_cost)
@@ -119,7 +125,7 @@ class DraftPolicy:
             drafts = []
             for request, room in zip(requests, rooms):
                 draft = self.draft(request, min(room, budget), window_cost,
-                                   window_tokens=window_tokens)
+                                   window_tokens=window_tokens, slots=len(requests))
                 drafts.append(draft)
                 if draft is not None:
                     budget -= len(draft.tokens)
@@ -214,7 +220,7 @@ class SimulatedPolicy(DraftPolicy):
         return self.max_tokens > 0
 
     def draft(self, request: Request, room: int, window_cost: float = 0.0,
-              known: int = 0, window_tokens: int = 1) -> Draft | None:
+              known: int = 0, window_tokens: int = 1, slots: int = 1) -> Draft | None:
         length = min(room, self.max_tokens) - known
         if length <= 0:
             return None

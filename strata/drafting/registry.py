@@ -63,7 +63,8 @@ def build_policy(config: EngineConfig, model: ModelConfig) -> DraftPolicy | None
     proposers = [p for p in (PROPOSERS[name](config) for name in names) if p is not None]
     pricing = DraftPricing() if config.spec_pricing == "measured" else None
     load = load_pricing(config, model) if config.spec_pricing == "load" else None
-    return DraftPolicy(proposers, config.spec_token_cost, pricing, load)
+    return DraftPolicy(proposers, config.spec_token_cost, pricing, load,
+                       shared=config.spec_pricing == "shared")
 
 
 def load_pricing(config: EngineConfig, model: ModelConfig) -> LoadPricing:

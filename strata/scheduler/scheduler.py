@@ -251,14 +251,14 @@ class Scheduler:
                 if drafted:  # a hedge: one token on from its last known one, no drafts
                     slot.draft, tokens = None, 1
                 else:
-                    tokens = self._on_a_guess(slot, budget, len(busy))
+                    tokens = self._on_a_guess(slot, budget, len(busy), len(busy))
                     if tokens is None:
                         continue
                 entries.append((slot, tokens))
                 ahead.append((e, count - drafted))
                 hedges.append(bool(drafted))
             elif slot.num_pending == 1:  # it sat out the window in flight: its token is known
-                tokens = self._with_draft(slot, budget, len(busy))
+                tokens = self._with_draft(slot, budget, len(busy), len(busy))
                 if tokens is None:
                     continue
                 entries.append((slot, tokens))
@@ -287,7 +287,8 @@ class Scheduler:
         return bool(window.hedges) and window.hedges[entry] and (
             window.header.starts[entry] != self.slots[window.header.slots[entry]].num_computed)
 
-    def _on_a_guess(self, slot: Slot, budget: int, window_tokens: int) -> int | None:
+    def _on_a_guess(self, slot: Slot, budget: int, window_tokens: int,
+                    slots: int) -> int | None:
         """A carried slot's tokens in the window built ahead: the token in flight, then
         the drafts the policy picks after its proposers' guess of that token (their
         draft's first token, on the context the slot has here): only the tokens after it
@@ -301,7 +302,7 @@ class Scheduler:
         with self._isolated(slot):
             slot.draft = self.drafts.draft(slot.request, 1 + self._room(slot, budget - 1, 1),
                                            self.window_cost, known=1,
-                                           window_tokens=window_tokens)
+                                           window_tokens=window_tokens, slots=slots)
         if slot.free:
             return None
         return 1 + slot.num_drafted
@@ -333,7 +334,7 @@ class Scheduler:
             if slot.num_pending == 1 and together:
                 count = 1 + slot.num_drafted
             elif slot.num_pending == 1:
-                count = self._with_draft(slot, budget, tokens)
+                count = self._with_draft(slot, budget, tokens, len(busy))
                 if count is None:
                     continue
                 tokens += count - 1
@@ -350,17 +351,19 @@ class Scheduler:
             return None
         return self._build(group, entries)
 
-    def _with_draft(self, slot: Slot, budget: int, window_tokens: int = 1) -> int | None:
+    def _with_draft(self, slot: Slot, budget: int, window_tokens: int = 1,
+                    slots: int = 1) -> int | None:
         """A decoding slot's tokens in the next window: its last one and the drafts the
         policy picks (None if its proposer failed: the request failed with it). A draft
         must gain more than `window_cost`: the slot then sits out the window built ahead
-        of this one. `window_tokens`: the window's tokens so far, without this draft."""
+        of this one. `window_tokens`: the window's tokens so far, without this draft;
+        `slots`: the slots the window carries."""
         slot.draft = None
         if self.drafts is not None:
             with self._isolated(slot):
                 slot.draft = self.drafts.draft(slot.request, self._room(slot, budget - 1),
                                                self.window_cost,
-                                               window_tokens=window_tokens)
+                                               window_tokens=window_tokens, slots=slots)
             if slot.free:
                 return None
         return 1 + (len(slot.draft.tokens) if slot.draft else 0)
