@@ -17,9 +17,9 @@ layers, whose state rolls back under drafts) checkpoints with transformers, then
   on `--gguf` the greedy tokens with projections kept quantized against dequantized bf16
   (4 prompts x 256 tokens);
 - the fused MoE path against the grouped one (one layer of 8 experts top-2 and of 512
-  experts top-10, 1 to 32 tokens, bf16); one-token windows whose experts' kernels take
-  the top-k themselves against the route kernel's choice, bit for bit (dense bf16
-  experts, and Q4_K ones);
+  experts top-10, 1 to 32 tokens, bf16); windows of one and two tokens whose experts'
+  kernels take the top-k themselves against the route kernel's choice, bit for bit
+  (dense bf16 experts, and Q4_K ones);
 - experts in host RAM behind a VRAM cache (--experts-in-ram, 25% cached): the fused
   kernels (misses read from pinned host memory) bitwise against all experts on the
   device, bf16 and Q4_K, and greedy tokens of the tiny qwen3_moe (`--experts-only`: this
@@ -119,7 +119,7 @@ def main() -> int:
     print(markdown_table(["MoE layer", "fused vs grouped, bf16: max rel. error, w=1 / 4 / 32"],
                          moe_fused(device)))
     print()
-    print(markdown_table(["MoE layer, one token", "experts chosen in the experts' kernels = "
+    print(markdown_table(["MoE layer, 1 and 2 tokens", "experts chosen in the experts' kernels = "
                           "by the route kernel: outputs equal bit for bit"], moe_choice(device)))
     print()
     print(markdown_table(["model", "turn 2 greedy tokens = no reuse (fp32, graphs): cache on",
@@ -310,10 +310,10 @@ def moe_fused(device: torch.device) -> list[list[str]]:
 
 
 def moe_choice(device: torch.device) -> list[list[str]]:
-    """One-token windows (the decode path) of a SparseMoE whose experts' kernels take the
-    top-k themselves, against the route kernel's choice: the layer's output and residual
-    sum, bit for bit, over 20 tokens; dense bf16 experts (top-k by ranks) and Q4_K ones
-    (the row kernels' top-k in k rounds)."""
+    """Windows of one and two tokens (decode, a draft) of a SparseMoE whose experts'
+    kernels take the top-k themselves, against the route kernel's choice: the layer's
+    output and residual sum, bit for bit, over 20 windows each; dense bf16 experts (top-k
+    by ranks) and Q4_K ones (the row kernels' top-k in k rounds)."""
     from test_moe_triton_quant import keep_quantized
 
     from strata.weights.random_checkpoint import RandomCheckpoint
@@ -327,8 +327,8 @@ def moe_choice(device: torch.device) -> list[list[str]]:
                  qtype) for name in ("gate_proj", "up_proj", "down_proj")])
         norm = RMSNorm(256, 1e-6).to(device=device, dtype=torch.bfloat16)
         same = 0
-        for _ in range(20):
-            x, residual = (torch.randn(1, 256, device=device, generator=gen).bfloat16()
+        for i in range(40):
+            x, residual = (torch.randn(1 + i % 2, 256, device=device, generator=gen).bfloat16()
                            for _ in range(2))
             with torch.inference_mode():
                 chosen = layer.add_norm_forward(x, residual, norm)
@@ -336,7 +336,7 @@ def moe_choice(device: torch.device) -> list[list[str]]:
                 routed = layer.add_norm_forward(x, residual, norm)
                 del layer._router_chooses
             same += all(torch.equal(a, b) for a, b in zip(chosen, routed))
-        rows.append([f"{experts} experts, top-{top_k}, {qtype or 'bf16'}", f"{same}/20"])
+        rows.append([f"{experts} experts, top-{top_k}, {qtype or 'bf16'}", f"{same}/40"])
     return rows
 
 

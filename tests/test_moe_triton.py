@@ -343,7 +343,7 @@ def compile_offline(arch: int, tokens: int, dtype, hidden: int = 2048, inter: in
     cached = dict(CACHED=tokens > 1)  # an expert cache's rows table (decode: none)
     return [compile_kernel(kernel, arch, constants | cached, types, launch)
             for kernel, constants in ((moe_triton._gate_up, gate_up | moe_triton.UNCHOSEN),
-                                      (moe_triton._down, down))]
+                                      (moe_triton._down, down | dict(PAIRWISE=False)))]
 
 
 def compile_route(arch: int, pairs: int = 320, experts: int = 512):

@@ -220,6 +220,7 @@ def compile_offline(arch: int, qtypes: tuple[str, str, str], tokens: int, dtype,
         kernels = (moe_triton._gate_up_q_rows, moe_triton._down_q_rows)
         gate_up, down = moe_triton.quantized_row_constants(qtypes, hidden)
         gate_up |= moe_triton.UNCHOSEN
+        down |= dict(PAIRWISE=False)
         launch = dict(num_warps=1)
     else:
         kernels = (moe_triton._gate_up_q, moe_triton._down_q)

@@ -47,8 +47,8 @@ class SparseMoE(nn.Module):
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor,
                          norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer on norm(x + residual): (its output, x + residual), the decoder's
-        post-attention add and norm made here (DecoderLayer). A one-token window on the
-        kernels' path takes one launch for the add, the norm and the router's logits
+        post-attention add and norm made here (DecoderLayer). A window of one or two tokens
+        on the kernels' path takes one launch for the add, the norm and the router's logits
         (route_triton's `norm_logits`) and none for the top-k and the grouping: every
         program of the experts' gate and up kernel takes its expert from the logits
         (moe_triton's RouterChoice). Other windows: the norm's own launch, then `forward`."""
@@ -62,16 +62,18 @@ class SparseMoE(nn.Module):
         return self._with_shared(normed, self.experts(normed, None, None, choice=choice)), h
 
     def _router_chooses(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor | None:
-        """The router's dense weight where the experts' kernel takes a one-token window's
-        top-k itself (`add_norm_forward`), else None. Quantized experts' one-warp row
-        kernels take it in k rounds (ranking 128 experts in every program decoded
-        Qwen3-30B-A3B's Q4_K shape slower than the routing launch, 330 against 341 tok/s;
-        in k rounds 353 against 321, both on an H100: benchmarks/README.md)."""
-        if x.shape[0] != 1 or not (self._kernel_routes(x) and self.experts.takes_route(x)
-                                   and norm.runs_kernel(x)):
+        """The router's dense weight where the experts' kernel takes the top-k of a window
+        of up to moe_triton.CHOOSE_TOKENS tokens itself (`add_norm_forward`), else None.
+        Quantized experts' one-warp row kernels take it in k rounds (ranking 128 experts in
+        every program decoded Qwen3-30B-A3B's Q4_K shape slower than the routing launch,
+        330 against 341 tok/s; in k rounds 353 against 321, both on an H100:
+        benchmarks/README.md)."""
+        if not (self._kernel_routes(x) and self.experts.takes_route(x)
+                and norm.runs_kernel(x)):
             return None
+        from strata.layers.moe_triton import CHOOSE_TOKENS
         from strata.layers.route_triton import dense_router
-        return dense_router(self.gate, x)
+        return dense_router(self.gate, x) if x.shape[0] <= CHOOSE_TOKENS else None
 
     def _with_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         """The routed experts' output plus what every token passes through (none here)."""

@@ -25,14 +25,16 @@ atomic adds, so the result is deterministic) by one more launch (`_combine`). (A
 in the last `_down` program of each column tile, counted in by counters.py, saved that
 launch yet measured no faster: benchmarks/README.md.) A router may have grouped the pairs
 already (route_triton's `route_window`: the router's logits, top-k and this grouping in
-one launch); `route` then skips `_route_pairs`. A one-token window needs no grouping
-launch at all (`choice`, RouterChoice): each program of its gate and up kernel takes the
-token's top-k of the router's logits itself (`_chosen_tile`: the same choice in every
-program, top_k_triton's `_choose`), program i serves the i-th chosen expert, whose one
-pair is pair i in slot i, and program (i, 0) writes what `_down` reads of the grouping
-and the weights. The decoder's post-attention norm and the router's matmul are then one
-launch before it (route_triton's `norm_logits`): H100, Qwen3-30B-A3B's shape in bf16,
-decode 279 -> 300 tok/s (benchmarks/README.md). A decoding window of DeepSeek-V3 (k = 8
+one launch); `route` then skips `_route_pairs`. A window of one or two tokens
+(CHOOSE_TOKENS) needs no grouping launch at all (`choice`, RouterChoice): each program of
+its gate and up kernel takes its token's top-k of the router's logits itself
+(`_chosen_tile`: the same choice in every program of a token, top_k_triton's `_choose`),
+program i serves pair i (token i // k's (i % k)-th chosen expert) in slot i, and program
+(i, 0) writes what `_down` reads of the pairs and the weights; `_down` then walks pairs,
+not experts (PAIRWISE), so an expert both tokens name is read twice. The decoder's
+post-attention norm and the router's matmul are then one launch before it (route_triton's
+`norm_logits`): H100, Qwen3-30B-A3B's shape in bf16, one-token decode 279 -> 300 tok/s
+(benchmarks/README.md). A decoding window of DeepSeek-V3 (k = 8
 of E = 256) thus launches 8 programs per column tile, not 256; a program of an expert
 that no pair routes to (padding of the list) runs no step and reads no weight; one of an
 expert with more pairs than BLOCK_T (a token naming an expert twice) walks them BLOCK_T
@@ -94,6 +96,9 @@ from strata.quant.triton_quant import (GROUPS, ROW_TOKENS, _accumulate,
 
 MAX_TOKENS = 32   # the largest window
 MAX_TOP_K = 10
+CHOOSE_TOKENS = 2  # windows of up to this many tokens may choose their experts in the
+                   # gate and up kernel (RouterChoice): an expert two tokens name is read
+                   # twice, ~3% more bytes at two tokens of Qwen3-30B-A3B, ~9% at four
 BLOCK_N = 64      # output columns per program
 BLOCK_K = 64      # inner-dimension step
 SMALL_TOKENS = 4  # windows of up to this many tokens take narrower, deeper tiles
@@ -147,15 +152,19 @@ def _store_weighted(acc, out_ptr, weights_ptr, order_ptr, start, slot, slot_ok, 
 
 @triton.jit
 def _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr, num_cols,
-                  BLOCK_N: tl.constexpr, CACHED: tl.constexpr):
+                  BLOCK_N: tl.constexpr, CACHED: tl.constexpr, PAIRWISE: tl.constexpr):
     """This program's expert's row of the weights (grid axis 0 walks the listed experts;
     the row is the expert itself, or where `rows` says when CACHED), its pairs' count and
-    first slot, and its tile of BLOCK_N output columns (axis 1) with their mask."""
+    first slot, and its tile of BLOCK_N output columns (axis 1) with their mask. PAIRWISE
+    (the gate and up kernel chose the experts: `_chosen_tile`): axis 0 walks the pairs,
+    each its own expert's one pair in its own slot, an expert named twice read twice."""
     expert = tl.load(listed_ptr + tl.program_id(0))
     row = expert.to(tl.int64)
     if CACHED:
         row = tl.load(rows_ptr + expert)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PAIRWISE:
+        return row, 1, tl.program_id(0), cols, cols < num_cols
     return (row, tl.load(counts_ptr + expert), tl.load(starts_ptr + expert), cols,
             cols < num_cols)
 
@@ -165,29 +174,35 @@ def _chosen_tile(logits_ptr, listed_ptr, counts_ptr, starts_ptr, order_ptr, weig
                  num_experts, num_cols, BLOCK_N: tl.constexpr, TOP_K: tl.constexpr,
                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RANKED: tl.constexpr,
                  RENORMALISE: tl.constexpr):
-    """`_program_tile` of a one-token window whose pairs no launch grouped: the program
-    takes the token's top-k from its router logits [E] (top_k_triton's `_choose`, the
-    same in every program) and its expert is the i-th chosen (i: grid axis 0), with one
-    pair, i, in slot i. Program (i, 0) writes the grouping that `_down` reads (listed[i],
-    counts and starts of its expert, order[i] = i) and program (0, 0) the k weights, in
-    the weights' dtype: what route_triton's `route_window` would have written, but for
-    the listed experts' order (by rank, not id), which no sum depends on."""
+    """`_program_tile` of a window of a few tokens whose pairs no launch grouped: program
+    i serves pair i (grid axis 0), token t = i // k: it takes the token's top-k from its
+    router logits [T, E] (top_k_triton's `_choose`, the same in every program of the
+    token) and its expert is the (i % k)-th chosen, with one pair, i, in slot i. Program
+    (i, 0) writes the grouping that the down kernels read (listed[i], order[i] = i; and
+    counts and starts of its expert, which only a one-token window's are right: with
+    more tokens an expert may be named twice, and the down kernels walk pairs, PAIRWISE)
+    and program (t * k, 0) the token's k weights, in the weights' dtype: what
+    route_triton's `route_window` would have written, but for the listed experts' order
+    (by pair and rank, not id), which no sum depends on."""
+    i = tl.program_id(0)
+    first = i - i % TOP_K  # the token's first pair
     e = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + e, mask=e < num_experts, other=-float("inf"))
+    logits = tl.load(logits_ptr + (i // TOP_K) * num_experts + e, mask=e < num_experts,
+                     other=-float("inf"))
     experts, chosen, _ = _choose(logits[None, :], e, TOP_K, BLOCK_E, BLOCK_K, RANKED,
                                  RENORMALISE)
     experts, chosen = tl.sum(experts, axis=0), tl.sum(chosen, axis=0)  # the one row
-    i = tl.program_id(0)
     j = tl.arange(0, BLOCK_K)
-    expert = tl.sum(tl.where(j == i, experts, 0), axis=0)
+    expert = tl.sum(tl.where(j == i - first, experts, 0), axis=0)
     if tl.program_id(1) == 0:
         tl.store(listed_ptr + i, expert.to(tl.int64))
         tl.store(counts_ptr + expert, 1)
         tl.store(starts_ptr + expert, i)
         tl.store(order_ptr + i, i.to(tl.int64))
-        if i == 0:
+        if i == first:
             dtype = weights_ptr.dtype.element_ty
-            tl.store(weights_ptr + j, _rounded(chosen, dtype).to(dtype), mask=j < TOP_K)
+            tl.store(weights_ptr + first + j, _rounded(chosen, dtype).to(dtype),
+                     mask=j < TOP_K)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     return expert.to(tl.int64), 1, i, cols, cols < num_cols
 
@@ -206,7 +221,7 @@ def _gate_up_tile(listed_ptr, counts_ptr, starts_ptr, order_ptr, rows_ptr, logit
             num_experts, num_cols, BLOCK_N, TOP_K, BLOCK_E, BLOCK_TOP, RANKED, RENORMALISE)
     else:
         row, count, start, cols, col_ok = _program_tile(
-            listed_ptr, counts_ptr, starts_ptr, rows_ptr, num_cols, BLOCK_N, CACHED)
+            listed_ptr, counts_ptr, starts_ptr, rows_ptr, num_cols, BLOCK_N, CACHED, False)
     return row, count, start, cols, col_ok
 
 
@@ -231,7 +246,7 @@ def _gate_up(x_ptr, gate_ptr, up_ptr, h_ptr,           # [T, H], [E, I, H] x2, [
     for first in range(0, count, BLOCK_T):  # once, unless a token names an expert twice
         slot = first + tl.arange(0, BLOCK_T)
         slot_ok = slot < count
-        if CHOOSE:  # the pair in slot i is pair i (one token)
+        if CHOOSE:  # the pair in slot i is pair i (_chosen_tile)
             pair = (start + slot).to(tl.int64)
         else:
             pair = tl.load(order_ptr + start + slot, mask=slot_ok, other=0)
@@ -260,11 +275,12 @@ def _down(h_ptr, down_ptr, weights_ptr, out_ptr,        # [T*k, I], [E, H, I], [
           hidden, inter,
           stride_ht, stride_de, stride_dh, stride_ot,
           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          DOT_FP32: tl.constexpr, CACHED: tl.constexpr, PDL: tl.constexpr):
+          DOT_FP32: tl.constexpr, CACHED: tl.constexpr, PAIRWISE: tl.constexpr,
+          PDL: tl.constexpr):
     if PDL:
         pdl.wait()
-    row, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
-                                                       hidden, BLOCK_N, CACHED)  # cols: rows of H
+    row, count, start, cols, col_ok = _program_tile(  # cols: rows of H
+        listed_ptr, counts_ptr, starts_ptr, rows_ptr, hidden, BLOCK_N, CACHED, PAIRWISE)
     down = down_ptr + row * stride_de + cols.to(tl.int64)[None, :] * stride_dh
     for first in range(0, count, BLOCK_T):
         slot = first + tl.arange(0, BLOCK_T)
@@ -313,8 +329,8 @@ def _gate_up_q(x_ptr, gate_ptr, up_ptr, h_ptr,        # [T, H], [E, I, bytes] u8
                DOT_FP32: tl.constexpr, CACHED: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         pdl.wait()
-    row, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
-                                                       inter, BLOCK_N, CACHED)  # cols: rows of I
+    row, count, start, cols, col_ok = _program_tile(
+        listed_ptr, counts_ptr, starts_ptr, rows_ptr, inter, BLOCK_N, CACHED, False)
     gate = row * stride_ge + cols.to(tl.int64) * stride_gi  # byte offsets
     up = row * stride_ue + cols.to(tl.int64) * stride_ui
     for first in range(0, count, BLOCK_T):  # once, unless a token names an expert twice
@@ -343,8 +359,8 @@ def _down_q(h_ptr, down_ptr, weights_ptr, out_ptr,    # [T*k, I], [E, H, bytes] 
             DOT_FP32: tl.constexpr, CACHED: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         pdl.wait()
-    row, count, start, cols, col_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
-                                                       hidden, BLOCK_N, CACHED)  # cols: rows of H
+    row, count, start, cols, col_ok = _program_tile(
+        listed_ptr, counts_ptr, starts_ptr, rows_ptr, hidden, BLOCK_N, CACHED, False)
     down = row * stride_de + cols.to(tl.int64) * stride_dh  # byte offsets
     for first in range(0, count, BLOCK_T):
         slot = first + tl.arange(0, BLOCK_T)
@@ -429,7 +445,7 @@ def _gate_up_q_rows(x_ptr, gate_ptr, up_ptr, h_ptr,   # [T, H], [E, I, bytes] u8
     gate = row * stride_ge + safe * stride_gi
     up = row * stride_ue + safe * stride_ui
     for s in range(0, count):
-        if CHOOSE:  # the pair in slot i is pair i (one token)
+        if CHOOSE:  # the pair in slot i is pair i (_chosen_tile)
             pair = start + s
         else:
             pair = tl.load(order_ptr + start + s)
@@ -454,11 +470,11 @@ def _down_q_rows(h_ptr, down_ptr, weights_ptr, out_ptr,  # [T*k, I], [E, H, byte
                  hidden, down_blocks, stride_ht, stride_de, stride_dh, stride_ot,
                  FORMAT: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
                  BLOCK_BYTES: tl.constexpr, BLOCK_VALUES: tl.constexpr, ROWS: tl.constexpr,
-                 CACHED: tl.constexpr, PDL: tl.constexpr):
+                 CACHED: tl.constexpr, PAIRWISE: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         pdl.wait()
-    row, count, start, rows, row_ok = _program_tile(listed_ptr, counts_ptr, starts_ptr, rows_ptr,
-                                                       hidden, ROWS, CACHED)
+    row, count, start, rows, row_ok = _program_tile(
+        listed_ptr, counts_ptr, starts_ptr, rows_ptr, hidden, ROWS, CACHED, PAIRWISE)
     down = row * stride_de + tl.where(row_ok, rows, 0).to(tl.int64) * stride_dh
     for s in range(0, count):
         pair = tl.load(order_ptr + start + s)
@@ -678,10 +694,11 @@ def grouping_constants(pairs: int, num_experts: int) -> dict:
 
 @dataclass(frozen=True)
 class RouterChoice:
-    """A one-token window's routing left to the gate and up kernel (`_chosen_tile`): the
-    router's logits [1, E] (float32, rounded as its matmul writes them: route_triton's
-    `norm_logits`) and the softmax top-k to take of them (as route_triton's
-    `softmax_top_k` would), so that no launch runs between the logits and the experts."""
+    """The routing of a window of up to CHOOSE_TOKENS tokens left to the gate and up kernel
+    (`_chosen_tile`): the router's logits [T, E] (float32, rounded as its matmul writes
+    them: route_triton's `norm_logits`) and the softmax top-k to take of them (as
+    route_triton's `softmax_top_k` would), so that no launch runs between the logits and
+    the experts."""
     logits: torch.Tensor
     top_k: int
     renormalise: bool
@@ -703,13 +720,13 @@ def _routing(x: torch.Tensor, experts, weights, num_experts: int, route, choice,
         return (route, weights.reshape(-1).contiguous(), experts.shape[1],
                 (route[0], route[0], 0), UNCHOSEN)
     from strata.layers import route_triton
-    logits, top_k = choice.logits, choice.top_k
-    if x.shape[0] != 1:
-        raise ValueError(f"{caller} chooses the experts of a one-token window only, not of "
-                         f"{x.shape[0]} tokens")
-    if logits.shape != (1, num_experts) or logits.dtype != torch.float32 or (
+    logits, top_k, tokens = choice.logits, choice.top_k, x.shape[0]
+    if not 1 <= tokens <= CHOOSE_TOKENS:
+        raise ValueError(f"{caller} chooses the experts of windows of 1 to {CHOOSE_TOKENS} "
+                         f"tokens only, not of {tokens} tokens")
+    if logits.shape != (tokens, num_experts) or logits.dtype != torch.float32 or (
             logits.device != x.device):
-        raise ValueError(f"the router's logits must be float32 [1, {num_experts}] on "
+        raise ValueError(f"the router's logits must be float32 [{tokens}, {num_experts}] on "
                          f"{x.device}, not {logits.dtype} {tuple(logits.shape)} on "
                          f"{logits.device}")
     if not (route_triton.takes(num_experts, top_k) and top_k <= MAX_TOP_K):
@@ -719,8 +736,10 @@ def _routing(x: torch.Tensor, experts, weights, num_experts: int, route, choice,
         raise ValueError(f"{caller} chooses the experts only of the layer's own weights, "
                          f"grouped by itself (no rows table, no route)")
     sizes = route_triton._sizes(num_experts, top_k)
-    chosen = torch.empty(top_k, dtype=x.dtype, device=x.device)
-    route = route_buffers(top_k, num_experts, x.device)
+    pairs = tokens * top_k
+    chosen = torch.empty(pairs, dtype=x.dtype, device=x.device)
+    counts, starts, order, _ = route_buffers(pairs, num_experts, x.device)
+    route = counts, starts, order, torch.empty(pairs, dtype=torch.int64, device=x.device)
     return (route, chosen, top_k, (logits, chosen, num_experts),
             dict(CHOOSE=True, TOP_K=top_k, BLOCK_E=sizes["BLOCK_E"],
                  BLOCK_TOP=sizes["BLOCK_K"], RANKED=sizes["RANKED"],
@@ -767,8 +786,8 @@ def fused_experts(x: torch.Tensor, experts: torch.Tensor | None, weights: torch.
     _down[(listed.shape[0], triton.cdiv(hidden, down_constants["BLOCK_N"]))](
         h, down_proj, weights, out, listed, counts, starts, order,
         cached, hidden, inter, h.stride(0), down_proj.stride(0), down_proj.stride(1),
-        out.stride(0), **down_constants, CACHED=rows is not None, **pdl.constants(x.device),
-        **launch)
+        out.stride(0), **down_constants, CACHED=rows is not None, PAIRWISE=choice is not None,
+        **pdl.constants(x.device), **launch)
     return _combined(out, tokens, top_k, x.dtype)
 
 
@@ -890,7 +909,8 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor | None,
             h, down_blocks, weights, out, listed, counts, starts,
             order, cached, hidden, inter // FORMATS[down_qtype].block_values, h.stride(0),
             down_blocks.stride(0), down_blocks.stride(1), out.stride(0), **down_rows,
-            CACHED=rows is not None, **pdl.constants(x.device), num_warps=1)
+            CACHED=rows is not None, PAIRWISE=choice is not None, **pdl.constants(x.device),
+            num_warps=1)
         return _combined(out, tokens, top_k, x.dtype)
     gate_up_constants, down_constants, launch = quantized_constants(
         tokens, x.dtype, (gate_qtype, up_qtype, down_qtype), hidden, inter, x.device.type)
