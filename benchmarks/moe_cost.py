@@ -14,7 +14,7 @@ matrix product per projection: `torch._grouped_mm` on CUDA, a loop over experts 
 and `fused` (strata/layers/moe_triton.py: two Triton kernels reading only the routed
 experts; CUDA, or anywhere under TRITON_INTERPRET=1), and `decoder`: the layer as a
 decoder layer runs it, from the attention's output and the residual (`add_norm_forward`:
-the post-attention add and norm too; on CUDA a one-token window's norm, router logits
+the post-attention add and norm too; on CUDA a 1-2 token window's norm, router logits
 and choosing experts' kernels, `chose` in the settings line, which `fused` does not run).
 On CUDA every path is timed as a
 CUDA graph replay where it can be captured (launches and the replay's own ~14 us
