@@ -160,10 +160,10 @@ def opened(index: int, config: BenchConfig, log_dir: Path | None, progress: Prog
     answering /health, a client on it and the warm-up done; the server stopped afterwards
     (a URL arm's server is already up)."""
     arm, where = config.arms[index], arm_where(index, config, round_)
-    log = arm_log(index, config, log_dir, round_)
     with contextlib.ExitStack() as stack:
         if arm.url is None and server is None:
             server = start(stack, index, config, log_dir, progress, round_)
+        log = server.log if server is not None else None
         with arm_errors(arm, log):
             if arm.url is None:
                 wait_healthy(server.proc, server.base, log, config.start_timeout)
