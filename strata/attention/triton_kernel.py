@@ -55,7 +55,8 @@ def _paged_attention(
         BLOCK_M: tl.constexpr, GROUP_BLOCK: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE_FP32: tl.constexpr,
         NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
+    if PDL:  # the next kernel may launch now: it reads nothing of ours before its wait
+        pdl.release()
         pdl.wait()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_CHUNKS
@@ -120,8 +121,6 @@ def _paged_attention(
         after = key_pos + NUM_SPLITS * BLOCK_N  # the next step's block numbers
         block = tl.load(table + after // BLOCK_SIZE, mask=after < end, other=0).to(tl.int64)
 
-    if PDL:
-        pdl.release()
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_rows = (first + token) * stride_ot + head * stride_oh
@@ -143,7 +142,8 @@ def _combine_splits(
         PDL: tl.constexpr):
     """One program per (token, head): the splits' partial softmaxes rescaled to their
     common maximum and summed."""
-    if PDL:
+    if PDL:  # the next kernel may launch now: it reads nothing of ours before its wait
+        pdl.release()
         pdl.wait()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -154,8 +154,6 @@ def _combine_splits(
     total = tl.sum(tl.load(split_ml_ptr + part * 2 + 1) * weight, axis=0)
     dim = tl.arange(0, BLOCK_D)
     acc = tl.load(split_acc_ptr + part[:, None] * BLOCK_D + dim[None, :])        # [S, D]
-    if PDL:
-        pdl.release()
     out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dim,
              out.to(out_ptr.dtype.element_ty), mask=dim < HEAD_DIM)

@@ -5,12 +5,13 @@ a read of the weight, and on a GPU the fixed cost of a small kernel. cuBLAS's GE
 30B MoE's o_proj (2048 x 4096, bf16) takes ~9 us for 4 us of bytes, the default model's
 down_proj (576 x 1536) ~5 us for 0.4, and cuBLAS launches plainly, so the kernel before it
 and the one after cannot overlap its start and end (strata/layers/pdl.py). This kernel is
-a programmatic dependent launch like Strata's other kernels: program i owns BLOCK_N rows
-of W and walks them BLOCK_K columns a step, each token's products summed in float32 and
-rounded once to the output dtype, the bias (if any) added before that rounding as cuBLAS's
-epilogue does. A gated MLP's down projection takes its input's silu(gate) * up as it loads
-it, where PyTorch takes a launch of its own. Measured on the H200 (benchmarks/README.md):
-5.1 us for that o_proj, 1.5 for that down_proj.
+a programmatic dependent launch like Strata's other kernels, whose programs load their
+first step's weights before they wait for the kernel before (pdl.py): program i owns
+BLOCK_N rows of W and walks them BLOCK_K columns a step, each token's products summed in
+float32 and rounded once to the output dtype, the bias (if any) added before that
+rounding as cuBLAS's epilogue does. A gated MLP's down projection takes its input's
+silu(gate) * up as it loads it, where PyTorch takes a launch of its own. Measured on the
+H200 (benchmarks/README.md): 5.1 us for that o_proj, 1.5 for that down_proj.
 
 Windows of 5-64 tokens (decoding slots with their drafts) take `_gemm` instead: the same
 walk, every token at once on the tensor cores; it beats cuBLAS on small weights only
@@ -55,18 +56,24 @@ def _gemv(x_ptr, w_ptr, b_ptr, out_ptr,            # [T, K], [N, K], [N], [T, N]
           TOKENS: tl.constexpr, T_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
           PDL: tl.constexpr):
-    if PDL:
-        pdl.wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < num_rows
     row_start = tl.where(row_ok, rows, 0).to(tl.int64) * stride_w
     t = tl.arange(0, T_PAD)
     acc = tl.zeros([T_PAD, BLOCK_N], dtype=tl.float32)
+    # Each step's weights are loaded a step ahead, the first before the wait: no kernel
+    # writes a weight, so they stream in while the kernel before this one finishes.
+    k = tl.arange(0, BLOCK_K)
+    w_next = tl.load(w_ptr + row_start[:, None] + k[None, :],
+                     mask=row_ok[:, None] & (k < num_cols)[None, :], other=0.0)
+    if PDL:
+        pdl.wait()
     for k0 in range(0, num_cols, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < num_cols
-        w = tl.load(w_ptr + row_start[:, None] + k[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = w_next.to(tl.float32)
+        w_next = tl.load(w_ptr + row_start[:, None] + (k + BLOCK_K)[None, :],
+                         mask=row_ok[:, None] & (k + BLOCK_K < num_cols)[None, :], other=0.0)
         for token in tl.static_range(TOKENS):
             x = tl.load(x_ptr + token * stride_xt + k, mask=k_ok, other=0.0)
             if GATED:  # x is silu(gate) * up, gate and up the halves of x's row
@@ -91,6 +98,20 @@ def _silu_mul(gate, up):
     return (x.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
 
 
+@triton.jit
+def _gemm_step(x_ptr, w, acc, t, t_ok, k, hi, num_cols, stride_xt, GATED: tl.constexpr,
+               DOT_FP32: tl.constexpr):
+    """acc + the tokens' columns `k` (those below `hi`) times w [BLOCK_K, BLOCK_N]."""
+    x_at = x_ptr + t[:, None].to(tl.int64) * stride_xt + k[None, :]
+    x_ok = t_ok[:, None] & (k < hi)[None, :]
+    x = tl.load(x_at, mask=x_ok, other=0.0)                                 # [M, BLOCK_K]
+    if GATED:
+        x = _silu_mul(x, tl.load(x_at + num_cols, mask=x_ok, other=0.0))
+    if DOT_FP32:  # NOTE: triton's interpreter multiplies bf16 dot operands wrongly
+        return tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(x, w, acc)
+
+
 # NOTE: the window's size changes with every call: not specialised on (BLOCK_M is).
 @triton.jit(do_not_specialize=["num_tokens"])
 def _gemm(x_ptr, w_ptr, b_ptr, out_ptr,            # [T, K], [N, K], [N], [T, N]
@@ -103,8 +124,6 @@ def _gemm(x_ptr, w_ptr, b_ptr, out_ptr,            # [T, K], [N, K], [N], [T, N]
     by BLOCK_N rows of W over split j of the columns (all of them with one split), BLOCK_K
     columns a step, on the tensor cores (float32 sums); the splits of a row tile are added
     up by its last program to finish (split_sums.finish)."""
-    if PDL:
-        pdl.wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < num_rows
     row_start = tl.where(row_ok, rows, 0).to(tl.int64) * stride_w
@@ -113,21 +132,20 @@ def _gemm(x_ptr, w_ptr, b_ptr, out_ptr,            # [T, K], [N, K], [N], [T, N]
     per_split = tl.cdiv(tl.cdiv(num_cols, BLOCK_K), tl.num_programs(1)) * BLOCK_K
     lo = tl.program_id(1) * per_split
     hi = tl.minimum(num_cols, lo + per_split)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(lo, hi, BLOCK_K):
+    # The first step's weights before the wait (as _gemv), its product peeled off the
+    # loop (whose loads triton pipelines).
+    k = lo + tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + row_start[None, :] + k[:, None],
+                mask=(k < hi)[:, None] & row_ok[None, :], other=0.0)        # [BLOCK_K, N]
+    if PDL:
+        pdl.wait()
+    acc = _gemm_step(x_ptr, w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), t, t_ok, k,
+                     hi, num_cols, stride_xt, GATED, DOT_FP32)
+    for k0 in range(lo + BLOCK_K, hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < hi
-        x_at = x_ptr + t[:, None].to(tl.int64) * stride_xt + k[None, :]
-        x_ok = t_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_at, mask=x_ok, other=0.0)                             # [M, BLOCK_K]
-        if GATED:
-            x = _silu_mul(x, tl.load(x_at + num_cols, mask=x_ok, other=0.0))
         w = tl.load(w_ptr + row_start[None, :] + k[:, None],
-                    mask=k_ok[:, None] & row_ok[None, :], other=0.0)        # [BLOCK_K, N]
-        if DOT_FP32:  # NOTE: triton's interpreter multiplies bf16 dot operands wrongly
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
+                    mask=(k < hi)[:, None] & row_ok[None, :], other=0.0)
+        acc = _gemm_step(x_ptr, w, acc, t, t_ok, k, hi, num_cols, stride_xt, GATED, DOT_FP32)
     if PDL:
         pdl.release()
     if HAS_BIAS:  # once, by the first split

@@ -565,7 +565,8 @@ def _check(x, gate_proj, up_proj, down_proj) -> None:
 def _combine(out_ptr, y_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
              PDL: tl.constexpr):
     """y[t] = the sum of out's rows t*k .. t*k + k - 1 in order (fp32), in y's dtype."""
-    if PDL:
+    if PDL:  # the next kernel may launch now: it reads nothing of ours before its wait
+        pdl.release()
         pdl.wait()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -573,8 +574,6 @@ def _combine(out_ptr, y_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(out_ptr + (token * TOP_K + j) * hidden + cols, mask=ok, other=0.0)
-    if PDL:
-        pdl.release()
     dtype = y_ptr.dtype.element_ty
     tl.store(y_ptr + token * hidden + cols, _rounded(acc, dtype).to(dtype), mask=ok)
 

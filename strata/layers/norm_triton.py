@@ -46,19 +46,18 @@ def _rms_norm(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr,   # [T, H] x4 (sum: x + r
               hidden, stride_x, stride_r, eps,
               BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, ONE_PLUS: tl.constexpr,
               PDL: tl.constexpr):
-    if PDL:
-        pdl.wait()
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     ok = i < hidden
+    w = tl.load(w_ptr + i, mask=ok, other=0.0)  # a weight: before the wait (pdl.py)
+    if PDL:  # the next kernel may launch now: it reads nothing of ours before its wait
+        pdl.release()
+        pdl.wait()
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + t * stride_x + i, mask=ok, other=0.0)
     if RESIDUAL:
         x = (x.to(tl.float32) + tl.load(res_ptr + t * stride_r + i, mask=ok,
                                         other=0.0).to(tl.float32)).to(dtype)
-    w = tl.load(w_ptr + i, mask=ok, other=0.0)
-    if PDL:
-        pdl.release()
     if RESIDUAL:
         tl.store(sum_ptr + t * hidden + i, x, mask=ok)
     y = _normed(x.to(dtype)[None, :], w, hidden, eps, ONE_PLUS)

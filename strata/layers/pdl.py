@@ -5,8 +5,8 @@ Launched plainly, a kernel's programs start only once the previous kernel has fi
 the GPU idles between the two (about 0.7 us a boundary on the H200: benchmarks/README.md).
 With PDL a kernel is launched while the previous one finishes: its programs start, and
 `wait` (griddepcontrol.wait) holds them until the previous kernel has completed and its
-writes are visible; each kernel calls `release` (griddepcontrol.launch_dependents) once
-its main loop is done, which lets the next launch. A kernel calls them as
+writes are visible; each kernel calls `release` (griddepcontrol.launch_dependents), which
+lets the next launch once every program of this one has called it. A kernel calls them as
 
     if PDL:
         pdl.wait()
@@ -14,11 +14,19 @@ its main loop is done, which lets the next launch. A kernel calls them as
 (a constexpr test, not a helper function: triton's interpreter runs a nested jit call
 at ~1.5 ms, which in the CPU tests' engines added up to minutes).
 
-Every kernel with a PDL constexpr keeps two rules:
-- before its `wait` it neither reads memory that an earlier kernel writes nor writes any
-  (Strata's kernels call `wait` first);
-- it calls `release` only after its own `wait`, so the next kernel's programs never run
-  beside the kernel before this one.
+Every kernel with a PDL constexpr keeps one rule: before its `wait` it neither writes
+memory nor reads any that a kernel writes. What it may read there is a weight: the dense
+projections (gemv_triton.py) load their first step's weights before they wait, the norms
+their scales and the MoE router its rows (route_triton.norm_logits), so the weights
+stream in while the kernels before them finish. A kernel may release at any point, its
+very start too: the one after it may then run beside the one before it, which the rule
+makes harmless, since `wait` returns only once the previous kernel has completed, and
+that one completed only after its own `wait` had returned. The small latency-bound
+kernels that come before a projection release at their start (the input norm, the
+attention and the merge of its splits, the MoE's sum of its experts), so that a
+projection's loads start up to two kernels early; the others release once their main
+loop is done (tests/test_pdl.py reads the rule off the kernels' source; an H100's solo
+decode of the default model's shape: 1245 -> 1505 tok/s, benchmarks/README.md).
 A kernel that follows without PDL (PyTorch's, cuBLAS's) waits for the whole chain as
 usual, and a PDL kernel after one of those starts once it has finished.
 

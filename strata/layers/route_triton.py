@@ -163,20 +163,21 @@ def _norm_logits(x_ptr, res_ptr, norm_ptr, router_ptr, sum_ptr, normed_ptr, logi
     """Program p: the rows x + res normalised (norm_triton's `_normed`: program 0 stores
     the sum and the normed rows), then the router's logits of its EXPERTS experts for
     every token (fp32 sums rounded to x's dtype, as the matmul writes them)."""
-    if PDL:
-        pdl.wait()
     t = tl.arange(0, T_PAD)
     i = tl.arange(0, BLOCK_H)
-    ok = (t < num_tokens)[:, None] & (i < hidden)[None, :]
-    dtype = normed_ptr.dtype.element_ty
-    x = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x + i[None, :], mask=ok, other=0.0)
-    res = tl.load(res_ptr + t.to(tl.int64)[:, None] * stride_r + i[None, :], mask=ok,
-                  other=0.0)
+    # The weights before the wait (strata/layers/pdl.py): no kernel writes them.
     w = tl.load(norm_ptr + i, mask=i < hidden, other=0.0)
     e = tl.program_id(0) * EXPERTS + tl.arange(0, EXPERTS)
     e_ok = e < num_experts
     router = tl.load(router_ptr + e.to(tl.int64)[:, None] * stride_re + i[None, :],
                      mask=e_ok[:, None] & (i < hidden)[None, :], other=0.0).to(tl.float32)
+    if PDL:
+        pdl.wait()
+    ok = (t < num_tokens)[:, None] & (i < hidden)[None, :]
+    dtype = normed_ptr.dtype.element_ty
+    x = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x + i[None, :], mask=ok, other=0.0)
+    res = tl.load(res_ptr + t.to(tl.int64)[:, None] * stride_r + i[None, :], mask=ok,
+                  other=0.0)
     if PDL:
         pdl.release()
     total = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
