@@ -676,13 +676,16 @@ def _route(experts: torch.Tensor, num_experts: int):
     return route
 
 
-def route_buffers(pairs: int, num_experts: int, device: torch.device):
+def route_buffers(pairs: int, num_experts: int, device: torch.device,
+                  pairwise: bool = False):
     """`_route`'s four outputs, empty: counts and starts [E] int32, order [pairs] int64,
-    listed [min(E, pairs)] int64."""
+    listed [min(E, pairs)] int64 (`pairwise`: [pairs], an expert per pair, as the gate and
+    up kernel lists them when it chooses: `_chosen_tile`)."""
     return (torch.empty(num_experts, dtype=torch.int32, device=device),
             torch.empty(num_experts, dtype=torch.int32, device=device),
             torch.empty(pairs, dtype=torch.int64, device=device),
-            torch.empty(min(num_experts, pairs), dtype=torch.int64, device=device))
+            torch.empty(pairs if pairwise else min(num_experts, pairs), dtype=torch.int64,
+                        device=device))
 
 
 def grouping_constants(pairs: int, num_experts: int) -> dict:
@@ -737,8 +740,7 @@ def _routing(x: torch.Tensor, experts, weights, num_experts: int, route, choice,
     sizes = route_triton._sizes(num_experts, top_k)
     pairs = tokens * top_k
     chosen = torch.empty(pairs, dtype=x.dtype, device=x.device)
-    counts, starts, order, _ = route_buffers(pairs, num_experts, x.device)
-    route = counts, starts, order, torch.empty(pairs, dtype=torch.int64, device=x.device)
+    route = route_buffers(pairs, num_experts, x.device, pairwise=True)
     return (route, chosen, top_k, (logits, chosen, num_experts),
             dict(CHOOSE=True, TOP_K=top_k, BLOCK_E=sizes["BLOCK_E"],
                  BLOCK_TOP=sizes["BLOCK_K"], RANKED=sizes["RANKED"],
