@@ -138,6 +138,20 @@ def test_row_walks_cover_every_block_once(walk, count, monkeypatch):
     assert triton_quant.row_splits(walk, 5, 5) == (1 if walk.min_split_blocks == 8 else 2)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K"])
+def test_a_split_without_blocks_adds_nothing(qtype, monkeypatch):
+    """9 blocks a row in 4 splits of 3: the last split has none, yet decodes a block
+    before its wait (its tile's last: the row walk's first step is read ahead); it must
+    add 0."""
+    monkeypatch.setattr(triton_quant, "row_splits", lambda walk, rows, blocks: 4)
+    per_row = 9 // (2 if FORMATS[qtype].block_values == 256 else 4) + 1
+    blocks = np.concatenate([random_blocks(qtype, rows=5, seed=s) for s in range(per_row)],
+                            axis=1)[:, :9 * FORMATS[qtype].block_bytes]
+    x = tokens(2, 9 * FORMATS[qtype].block_values, seed=5)
+    assert_matches(triton_quant.gemv(x, torch.from_numpy(blocks), qtype),
+                   x @ reference(blocks, qtype).T, 1e-5)
+
+
 @pytest.mark.parametrize("count", [1, 4, 8])
 def test_split_sums_set_their_counters_back(count):
     """A split launch's last program per row tile adds the partials up and sets the tile's

@@ -16,9 +16,10 @@ at ~1.5 ms, which in the CPU tests' engines added up to minutes).
 
 Every kernel with a PDL constexpr keeps one rule: before its `wait` it neither writes
 memory nor reads any that a kernel writes. What it may read there is a weight: the dense
-projections (gemv_triton.py) load their first step's weights before they wait, the norms
-their scales and the MoE router its rows (route_triton.norm_logits), so the weights
-stream in while the kernels before them finish. A kernel may release at any point, its
+projections (gemv_triton.py) load their first step's weights before they wait, the
+quantized row GEMV (triton_quant._gemv_rows) reads and decodes its first step's blocks,
+the norms load their scales and the MoE router its rows (route_triton.norm_logits), so
+the weights stream in while the kernels before them finish. A kernel may release at any point, its
 very start too: the one after it may then run beside the one before it, which the rule
 makes harmless, since `wait` returns only once the previous kernel has completed, and
 that one completed only after its own `wait` had returned. The small latency-bound

@@ -457,6 +457,17 @@ def _groups_dot(q_a, s_a, o_a, q_b, s_b, o_b, x_ptr, first, second, ok, C: tl.co
     return tl.sum(y, axis=1)
 
 
+@triton.jit
+def _rows_dot(acc, t, q_a, s_a, o_a, q_b, s_b, o_b, x_ptr, stride_xt, first, second, ok,
+              C: tl.constexpr, TOKENS: tl.constexpr):
+    """acc [T_PAD, ROWS] + each token's product with a step's decoded groups."""
+    for token in tl.static_range(TOKENS):
+        y = _groups_dot(q_a, s_a, o_a, q_b, s_b, o_b, x_ptr + token * stride_xt, first,
+                        second, ok, C)
+        acc = tl.where(t[:, None] == token, acc + y[None, :], acc)
+    return acc
+
+
 # NOTE: the window's size is a constexpr here (1..ROW_TOKENS: a few variants).
 @triton.jit
 def _gemv_rows(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uint8, [T, N]
@@ -466,8 +477,6 @@ def _gemv_rows(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uin
                BLOCK_BYTES: tl.constexpr, BLOCK_VALUES: tl.constexpr, TOKENS: tl.constexpr,
                T_PAD: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr,
                SPLIT: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        pdl.wait()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_rows
     row_start = tl.where(row_ok, rows, 0).to(tl.int64) * stride_row
@@ -475,15 +484,22 @@ def _gemv_rows(x_ptr, blocks_ptr, out_ptr,          # [T, K], [N, row bytes] uin
     lo = tl.program_id(1) * per_split
     hi = tl.minimum(num_blocks, lo + per_split)
     t = tl.arange(0, T_PAD)
-    acc = tl.zeros([T_PAD, ROWS], dtype=tl.float32)
-    for b0 in range(lo, hi, STEP):
+    # The first step's blocks are read and decoded before the wait (pdl.py: no kernel
+    # writes a weight); a split without blocks decodes its tile's last one, adding 0.
+    base, h, first, second, ok = _step_groups(row_start, tl.minimum(lo, hi - 1), hi, FORMAT,
+                                              G, STEP, BLOCK_BYTES, BLOCK_VALUES)
+    q_a, s_a, o_a, q_b, s_b, o_b = _decode_groups(blocks_ptr, base, h, FORMAT, C)
+    if PDL:
+        pdl.wait()
+    ok = ok & (first * 0 + lo < hi)
+    acc = _rows_dot(tl.zeros([T_PAD, ROWS], dtype=tl.float32), t, q_a, s_a, o_a, q_b, s_b,
+                    o_b, x_ptr, stride_xt, first, second, ok, C, TOKENS)
+    for b0 in range(lo + STEP, hi, STEP):
         base, h, first, second, ok = _step_groups(row_start, b0, hi, FORMAT, G, STEP,
                                                   BLOCK_BYTES, BLOCK_VALUES)
         q_a, s_a, o_a, q_b, s_b, o_b = _decode_groups(blocks_ptr, base, h, FORMAT, C)
-        for token in tl.static_range(TOKENS):
-            y = _groups_dot(q_a, s_a, o_a, q_b, s_b, o_b, x_ptr + token * stride_xt, first,
-                            second, ok, C)
-            acc = tl.where(t[:, None] == token, acc + y[None, :], acc)
+        acc = _rows_dot(acc, t, q_a, s_a, o_a, q_b, s_b, o_b, x_ptr, stride_xt, first,
+                        second, ok, C, TOKENS)
     if PDL:
         pdl.release()
     finish(acc, out_ptr, partial_ptr, count_ptr,
