@@ -19,15 +19,15 @@ memory nor reads any that a kernel writes. What it may read there is a weight: t
 projections (gemv_triton.py) load their first step's weights before they wait, the
 quantized row GEMV (triton_quant._gemv_rows) reads and decodes its first step's blocks,
 the norms load their scales and the MoE router its rows (route_triton.norm_logits), so
-the weights stream in while the kernels before them finish. A kernel may release at any point, its
-very start too: the one after it may then run beside the one before it, which the rule
-makes harmless, since `wait` returns only once the previous kernel has completed, and
-that one completed only after its own `wait` had returned. The small latency-bound
-kernels that come before a projection release at their start (the input norm, the
-attention and the merge of its splits, the MoE's sum of its experts), so that a
-projection's loads start up to two kernels early; the others release once their main
-loop is done (tests/test_pdl.py reads the rule off the kernels' source; an H100's solo
-decode of the default model's shape: 1245 -> 1505 tok/s, benchmarks/README.md).
+the weights stream in while the kernels before them finish. A kernel may release at any
+point, its very start too: the one after it may then run beside the one before it, which
+the rule makes harmless, since `wait` returns only once the previous kernel has
+completed, and that one completed only after its own `wait` had returned. The small
+latency-bound kernels that come before a projection release at their start (the input
+norm, the attention and the merge of its splits, the MoE's sum of its experts), so that a
+projection's loads start up to two kernels early; the others release once their main loop
+is done (tests/test_pdl.py reads the rule off the kernels' source; an H100's solo decode
+of the default model's shape: 1245 -> 1505 tok/s, benchmarks/README.md).
 A kernel that follows without PDL (PyTorch's, cuBLAS's) waits for the whole chain as
 usual, and a PDL kernel after one of those starts once it has finished.
 
