@@ -33,6 +33,11 @@ def machine() -> str:
 
 
 def commit() -> str:
+    """The checkout's short commit (+dirty where tracked files changed), or where this
+    copy was packed by benchmarks/ab_speed.py, the COMMIT file it wrote."""
+    packed = Path(__file__).resolve().parents[2] / "COMMIT"
+    if packed.exists():
+        return packed.read_text().strip() + " (packed copy)"
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
