@@ -4,16 +4,16 @@
     python3 benchmarks/ab_speed.py run --into .ab --rounds 2 \
         --model random:smollm2-135m --model random:qwen3-30b-a3b -- --devices cuda:0
 
-`pack` copies each ref's strata/, benchmarks/ and tests/ (`git archive`) into a folder of
-its own under --into, with a COMMIT file naming it (a copy has no .git: the benchmarks'
-`commit` reads it), so the folder can travel to a machine without git (the GPU machine)
-and run there. `run` runs `solo_speed.py` of every packed copy, each in a process of its
-own with that copy first on PYTHONPATH, for each --model, --rounds times, the arms in turn and in reverse order every
-other round (a slow drift of the machine falls on all of them alike); arguments after
-`--` go to solo_speed.py. It prints the machine, each arm's commit, and per model a
-table: each round's decode tok/s (median of solo_speed's repeats), their median, and
-the ratio to the first arm's. A run that fails prints its last lines and counts as
-missing, and the others go on.
+`pack` copies each ref's strata/, benchmarks/ and tests/ (`git archive`) into a folder
+of its own under --into (.ab/ is git-ignored: carry it to the GPU machine), with a
+COMMIT file naming it (a copy has no .git: the benchmarks' `commit` reads it), so the
+folder can run where there is no git. `run` runs `solo_speed.py` of every packed copy,
+each in a process of its own with that copy first on PYTHONPATH, for each --model,
+--rounds times: the arms in turn, in reverse order every other round (a slow drift of
+the machine falls on all of them alike); arguments after `--` go to solo_speed.py. It
+prints the machine, each arm's commit, and per model a table: each round's decode tok/s
+(median of solo_speed's repeats), their median, and the ratio to the first arm's. A run
+that fails prints its last lines and counts as missing, and the others go on.
 """
 
 from __future__ import annotations
@@ -45,8 +45,12 @@ def pack(into: Path, refs: list[str], repo: Path) -> list[dict]:
         folder = into / sha.stdout.strip()
         folder.mkdir(parents=True, exist_ok=True)
         archive = subprocess.run(["git", "archive", "--format=tar", ref, *PACKED], cwd=repo,
-                                 capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+                                 capture_output=True)
+        unpacked = subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout,
+                                  capture_output=True)
+        if archive.returncode or unpacked.returncode:
+            raise SystemExit(f"ab_speed: could not copy {ref!r} into {folder}: "
+                             f"{(archive.stderr + unpacked.stderr).decode().strip()}")
         (folder / "COMMIT").write_text(sha.stdout.strip() + "\n")
         arms.append({"ref": ref, "commit": sha.stdout.strip(), "folder": folder.name})
     (into / ARMS).write_text(json.dumps(arms, indent=1) + "\n")

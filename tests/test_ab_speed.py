@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import build_tiny
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -49,3 +50,11 @@ def test_packed_refs_run_alternated_and_a_failure_is_missing(tmp_path, capsys):
     assert "| 1.000 |" in ran[0]
     failed = [line for line in tables[1].splitlines() if line.startswith("| HEAD")]
     assert all(line.split("|")[3:6] == [" - "] * 3 for line in failed), printed
+
+
+def test_a_bad_ref_or_no_pack_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="'no-such-branch' names no commit here"):
+        ab_speed.main(["pack", "--into", str(tmp_path), "no-such-branch"])
+    with pytest.raises(SystemExit):
+        ab_speed.main(["run", "--into", str(tmp_path), "--model", "m"])
+    assert "arms.json is missing: run `ab_speed.py pack" in capsys.readouterr().err
