@@ -95,21 +95,19 @@ def run(into: Path, models: list[str], rounds: int, extra: list[str]) -> dict:
     print(f"\nmachine: {machine()}\nsolo_speed.py arguments: {' '.join(extra) or '-'}")
     for model in models:
         print(f"\nmodel: {model}, decode tok/s\n")
-        print(table(arms, found[model], rounds))
+        print(table(arms, found[model]))
     return found
 
 
-def table(arms: list[dict], speeds: list[list], rounds: int) -> str:
+def table(arms: list[dict], speeds: list[list]) -> str:
     """One row an arm: its rounds, their median, and that median over the first arm's."""
-    rows, base = [], None
-    for arm, got in zip(arms, speeds):
-        ran = [s for s in got if s is not None]
-        median = statistics.median(ran) if ran else None
-        base = median if not rows else base
-        rows.append([arm["ref"], arm["commit"], *["-" if s is None else f"{s:.1f}" for s in got],
-                     "-" if median is None else f"{median:.1f}",
-                     f"{median / base:.3f}" if median and base else "-"])
-    return markdown_table(["arm", "commit", *[f"round {r + 1}" for r in range(rounds)],
+    medians = [statistics.median(ran) if (ran := [s for s in got if s is not None]) else None
+               for got in speeds]
+    rows = [[arm["ref"], arm["commit"], *["-" if s is None else f"{s:.1f}" for s in got],
+             "-" if median is None else f"{median:.1f}",
+             f"{median / medians[0]:.3f}" if median and medians[0] else "-"]
+            for arm, got, median in zip(arms, speeds, medians)]
+    return markdown_table(["arm", "commit", *[f"round {r + 1}" for r in range(len(speeds[0]))],
                            "median", "vs the first"], rows)
 
 
