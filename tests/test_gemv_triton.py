@@ -182,7 +182,7 @@ def _compile(arch: int, dtype, tokens: int, cols: int) -> int:
     else:
         kernel = compile_kernel(gemv_triton._gemv, arch, dict(
             TOKENS=tokens, T_PAD=triton_next_power_of_2(tokens), HAS_BIAS=True,
-            GATED=cols == 576, **gemv_triton.constants(cols)), types,
+            GATED=cols == 576, EARLY=tokens == 1, **gemv_triton.constants(cols)), types,
             dict(num_warps=4, num_stages=3))
     return kernel.metadata.shared
 

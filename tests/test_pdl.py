@@ -26,6 +26,19 @@ def test_off_on_the_cpu_and_when_disabled(monkeypatch):
     assert pdl.constants(torch.device("cuda:0")) == dict(PDL=False)
 
 
+def test_one_wave_counts_programs_an_sm_holds(monkeypatch):
+    """A kernel releases at its start only where all its programs start at once: ONE_WAVE
+    an SM of the device, and only where PDL is on."""
+    cuda = torch.device("cuda:0")
+    assert not pdl.one_wave(1, torch.device("cpu"))
+    monkeypatch.setattr(pdl, "supported", lambda device: True)
+    monkeypatch.setattr(pdl, "_sm_count", lambda device: 132)
+    assert pdl.one_wave(132 * pdl.ONE_WAVE, cuda)
+    assert not pdl.one_wave(132 * pdl.ONE_WAVE + 1, cuda)
+    monkeypatch.setattr(pdl, "enabled", False)
+    assert not pdl.one_wave(1, cuda)
+
+
 def test_the_flag_takes_on_or_off():
     from strata.config import EngineConfig
     from strata.errors import StrataError
@@ -47,8 +60,13 @@ def pdl_kernels() -> dict[str, ast.FunctionDef]:
 
 
 # What a kernel reads before its wait (pdl.py's rule: only what no kernel writes: its
-# weights), by kernel: its pointer arguments read there. Every other kernel waits first.
+# weights, the window's metadata), by kernel: its pointer arguments read there. Every
+# other kernel waits first.
 READ_BEFORE_WAIT = {
+    "attention/triton_kernel.py:_paged_attention": {
+        "tile_entry_ptr", "tile_start_ptr", "tile_count_ptr", "block_tables_ptr",
+        "positions_ptr"},
+    "layers/rotary_triton.py:_norm_rotate": {"pos_ptr", "slot_ptr", "cos_ptr", "sin_ptr"},
     "layers/gemv_triton.py:_gemv": {"w_ptr"},
     "layers/gemv_triton.py:_gemm": {"w_ptr"},
     "layers/norm_triton.py:_rms_norm": {"w_ptr"},

@@ -55,13 +55,12 @@ def _paged_attention(
         BLOCK_M: tl.constexpr, GROUP_BLOCK: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE_FP32: tl.constexpr,
         NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the next kernel may launch now: it reads nothing of ours before its wait
-        pdl.release()
-        pdl.wait()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_CHUNKS
     chunk = tl.program_id(1) % HEAD_CHUNKS
     split = tl.program_id(2)
+    # Before the wait (pdl.py): the window's metadata, which no kernel writes (the tile,
+    # its tokens' positions, its first step's block numbers); q and the cache after it.
     entry = tl.load(tile_entry_ptr + tile).to(tl.int64)
     first = tl.load(tile_start_ptr + tile).to(tl.int64)
     count = tl.load(tile_count_ptr + tile)
@@ -74,23 +73,25 @@ def _paged_attention(
     block = tl.load(table + key_pos // BLOCK_SIZE,
                     mask=key_pos // BLOCK_SIZE < tl.where(count > 0, table_width, 0),
                     other=0).to(tl.int64)
-
     # Rows: token (row // GROUP_BLOCK) of the tile x query head (row % GROUP_BLOCK) of the
-    # chunk. Rows past the tile's tokens or the group's heads load zeros and store nothing.
+    # chunk. Rows past the tile's tokens or the group's heads load zeros and store nothing;
+    # rows without a token take position -1: they attend to nothing and are never stored,
+    # and an empty tile (padding of the tile map) runs no key block at all.
     row = tl.arange(0, BLOCK_M * GROUP_BLOCK)
     token = row // GROUP_BLOCK
     group_head = chunk * GROUP_BLOCK + row % GROUP_BLOCK
     head = kv_head * GROUP + group_head
     row_ok = (token < count) & (group_head < GROUP)
+    q_pos = tl.load(positions_ptr + first + token, mask=token < count, other=-1)  # [ROWS]
+    end = tl.max(q_pos, axis=0) + 1
+    if PDL:  # the next kernel may launch now: it reads nothing of ours before its wait
+        pdl.release()
+        pdl.wait()
     dim = tl.arange(0, BLOCK_D)
     dim_ok = dim < HEAD_DIM
     q_rows = (first + token) * stride_qt + head * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + dim[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)   # [ROWS, BLOCK_D]
-    # Rows without a token take position -1: they attend to nothing and are never stored;
-    # an empty tile (padding of the tile map) runs no key block at all.
-    q_pos = tl.load(positions_ptr + first + token, mask=token < count, other=-1)  # [ROWS]
-    end = tl.max(q_pos, axis=0) + 1
     m_i = tl.full([BLOCK_M * GROUP_BLOCK], -1.0e30, dtype=tl.float32)  # finite: no inf - inf
     l_i = tl.zeros([BLOCK_M * GROUP_BLOCK], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_BLOCK, BLOCK_D], dtype=tl.float32)
@@ -101,6 +102,9 @@ def _paged_attention(
         k_t = tl.load(key_ptr + cache_row[None, :] * stride_kr + kv_head * stride_kh
                       + dim[:, None], mask=key_ok[None, :] & dim_ok[:, None],
                       other=0.0).to(q.dtype)                               # [BLOCK_D, BLOCK_N]
+        v = tl.load(value_ptr + cache_row[:, None] * stride_vr + kv_head * stride_vh
+                    + dim[None, :], mask=key_ok[:, None] & dim_ok[None, :],
+                    other=0.0).to(q.dtype)                                 # [BLOCK_N, BLOCK_D]
         if IEEE_FP32:
             qk = tl.dot(q, k_t, input_precision="ieee")
         else:
@@ -110,9 +114,6 @@ def _paged_attention(
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(value_ptr + cache_row[:, None] * stride_vr + kv_head * stride_vh
-                    + dim[None, :], mask=key_ok[:, None] & dim_ok[None, :],
-                    other=0.0).to(q.dtype)                                 # [BLOCK_N, BLOCK_D]
         if IEEE_FP32:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:

@@ -55,7 +55,7 @@ def _gemv(x_ptr, w_ptr, b_ptr, out_ptr,            # [T, K], [N, K], [N], [T, N]
           num_rows, num_cols, stride_xt, stride_w, stride_ot,
           TOKENS: tl.constexpr, T_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-          PDL: tl.constexpr):
+          PDL: tl.constexpr, EARLY: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < num_rows
     row_start = tl.where(row_ok, rows, 0).to(tl.int64) * stride_w
@@ -67,6 +67,8 @@ def _gemv(x_ptr, w_ptr, b_ptr, out_ptr,            # [T, K], [N, K], [N], [T, N]
     w_next = tl.load(w_ptr + row_start[:, None] + k[None, :],
                      mask=row_ok[:, None] & (k < num_cols)[None, :], other=0.0)
     if PDL:
+        if EARLY:  # all programs run at once (pdl.one_wave): the next may launch now
+            pdl.release()
         pdl.wait()
     for k0 in range(0, num_cols, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -82,7 +84,7 @@ def _gemv(x_ptr, w_ptr, b_ptr, out_ptr,            # [T, K], [N, K], [N], [T, N]
             x = x.to(tl.float32)
             y = tl.sum(w * x[None, :], axis=1)                                 # [BLOCK_N]
             acc = tl.where(t[:, None] == token, acc + y[None, :], acc)
-    if PDL:
+    if PDL and not EARLY:
         pdl.release()
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
@@ -229,9 +231,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             **pdl.constants(x.device), num_warps=4))
     out = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
     sizes = constants(cols)
-    _gemv[(triton.cdiv(rows, sizes["BLOCK_N"]),)](
+    programs = triton.cdiv(rows, sizes["BLOCK_N"])
+    _gemv[(programs,)](
         x, weight, bias if bias is not None else out, out, rows, cols, x.stride(0),
         weight.stride(0), out.stride(0), TOKENS=tokens,
         T_PAD=triton.next_power_of_2(tokens), HAS_BIAS=bias is not None, GATED=gated, **sizes,
-        **pdl.constants(x.device), num_warps=4)
+        **pdl.constants(x.device), EARLY=pdl.one_wave(programs, x.device), num_warps=4)
     return out

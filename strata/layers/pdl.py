@@ -15,19 +15,24 @@ lets the next launch once every program of this one has called it. A kernel call
 at ~1.5 ms, which in the CPU tests' engines added up to minutes).
 
 Every kernel with a PDL constexpr keeps one rule: before its `wait` it neither writes
-memory nor reads any that a kernel writes. What it may read there is a weight: the dense
-projections (gemv_triton.py) load their first step's weights before they wait, the
-quantized row GEMV (triton_quant._gemv_rows) reads and decodes its first step's blocks,
-the norms load their scales and the MoE router its rows (route_triton.norm_logits), so
-the weights stream in while the kernels before them finish. A kernel may release at any
-point, its very start too: the one after it may then run beside the one before it, which
-the rule makes harmless, since `wait` returns only once the previous kernel has
-completed, and that one completed only after its own `wait` had returned. The small
-latency-bound kernels that come before a projection release at their start (the input
-norm, the attention and the merge of its splits, the MoE's sum of its experts), so that a
-projection's loads start up to two kernels early; the others release once their main loop
-is done (tests/test_pdl.py reads the rule off the kernels' source; an H100's solo decode
-of the default model's shape: 1245 -> 1505 tok/s, benchmarks/README.md).
+memory nor reads any that a kernel of the chain writes. What it may read there is a weight
+or the window's metadata: the dense projections (gemv_triton.py) load their first step's
+weights before they wait, the quantized row GEMV (triton_quant._gemv_rows) reads and
+decodes its first step's blocks, the norms load their scales and the MoE router its rows
+(route_triton.norm_logits), the rotary kernel (rotary_triton) its tokens' positions, cache
+rows, table rows and norm weights, the attention (attention/triton_kernel.py) its tiles,
+positions and first block numbers: the weights stream in while the kernels before them
+finish, and the metadata, which the host's copy and PyTorch's kernels write before a
+chain of PDL kernels starts, is there by then. A kernel may release at any point, its
+very start too: the one after it may then run beside the one before it, which the rule
+makes harmless, since `wait` returns only once the previous kernel has completed, and
+that one completed only after its own `wait` had returned. The small latency-bound
+kernels release at their start (the input norm, the rotary kernel, the attention and the
+merge of its splits, the MoE's sum of its experts), and so does a dense row GEMV whose
+programs all start at once (`one_wave`: the default model's q/k/v, o and down
+projections), so that a projection's loads start kernels early; the others release once
+their main loop is done (tests/test_pdl.py reads the rule off the kernels' source; an
+H100's solo decode of the default model's shape: 1245 -> 1505 tok/s, benchmarks/README.md).
 A kernel that follows without PDL (PyTorch's, cuBLAS's) waits for the whole chain as
 usual, and a PDL kernel after one of those starts once it has finished.
 
@@ -58,6 +63,21 @@ def supported(device: torch.device) -> bool:
     triton that has griddepcontrol."""
     return (device.type == "cuda" and wait is not None
             and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+ONE_WAVE = 4  # programs an SM holds at once, as `one_wave` counts them
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def one_wave(programs: int, device: torch.device) -> bool:
+    """Do `programs` programs all start at once on `device` (ONE_WAVE an SM)? A kernel
+    whose programs do may release at its start: the next one's programs then wait beside
+    its own, where with more waves they would take the SMs its later programs need."""
+    return enabled and supported(device) and programs <= ONE_WAVE * _sm_count(device)
 
 
 def constants(device: torch.device) -> dict:

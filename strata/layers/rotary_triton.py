@@ -34,49 +34,50 @@ def _norm_rotate(q_ptr, k_ptr, q_out, k_out, q_weight, k_weight, cos_ptr, sin_pt
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                  num_q_heads, num_k_heads, eps,
                  D: tl.constexpr, NORM: tl.constexpr, WRITE: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        pdl.wait()
     t = tl.program_id(0)
     h = tl.program_id(1)
     dtype = q_out.dtype.element_ty
     i = tl.arange(0, D)
+    partner = (i + D // 2) % D  # rotate_half: (-x[D/2:], x[:D/2])
+    # Before the wait (pdl.py): the token's position and cache row (the window's metadata,
+    # which no kernel writes), the tables' rows and the head's norm weights.
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    row = tl.load(slot_ptr + t).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * D + i).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * D + i).to(dtype).to(tl.float32)
+    if h < num_q_heads:
+        weight = q_weight
+    else:
+        weight = k_weight
+    if NORM:
+        w = tl.load(weight + i).to(tl.float32)
+        w_partner = tl.load(weight + partner).to(tl.float32)
+    if PDL:  # the next kernel may launch now: it reads nothing of ours before its wait
+        pdl.release()
+        pdl.wait()
     if WRITE and h >= num_q_heads + num_k_heads:  # a value head: into the cache as it is
         vh = h - num_q_heads - num_k_heads
         v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + vh * stride_vh + i)
-        if PDL:
-            pdl.release()
-        row = tl.load(slot_ptr + t).to(tl.int64)
         tl.store(value_ptr + (row * num_k_heads + vh) * D + i, v)
     else:  # a head of q or k, rotated (k's into the cache too)
-        partner = (i + D // 2) % D  # rotate_half: (-x[D/2:], x[:D/2])
         sign = tl.where(i < D // 2, -1.0, 1.0)
         if h < num_q_heads:
             src = q_ptr + t.to(tl.int64) * stride_qt + h * stride_qh
             dst = q_out + (t.to(tl.int64) * num_q_heads + h) * D
-            weight = q_weight
         else:
             src = k_ptr + t.to(tl.int64) * stride_kt + (h - num_q_heads) * stride_kh
             dst = k_out + (t.to(tl.int64) * num_k_heads + (h - num_q_heads)) * D
-            weight = k_weight
         x = tl.load(src + i).to(tl.float32)
         x_partner = tl.load(src + partner).to(tl.float32)
         if NORM:  # rms_norm: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), in dtype
             scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-            x = (tl.load(weight + i).to(tl.float32)
-                 * (x * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            x_partner = (tl.load(weight + partner).to(tl.float32)
-                         * (x_partner * scale).to(dtype).to(tl.float32)
+            x = (w * (x * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            x_partner = (w_partner * (x_partner * scale).to(dtype).to(tl.float32)
                          ).to(dtype).to(tl.float32)
-        pos = tl.load(pos_ptr + t).to(tl.int64)
-        cos = tl.load(cos_ptr + pos * D + i).to(dtype).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * D + i).to(dtype).to(tl.float32)
         a = (x * cos).to(dtype).to(tl.float32)
         b = ((sign * x_partner) * sin).to(dtype).to(tl.float32)
-        if PDL:
-            pdl.release()
         tl.store(dst + i, (a + b).to(dtype))
         if WRITE and h >= num_q_heads:  # a key head: into the cache too
-            row = tl.load(slot_ptr + t).to(tl.int64)
             tl.store(key_ptr + (row * num_k_heads + h - num_q_heads) * D + i,
                      (a + b).to(dtype))
 
