@@ -1,7 +1,7 @@
 """strata/layers/pdl.py: programmatic dependent launch is on only where the GPU has it and
 `--pdl` leaves it on; before it waits for the previous kernel, a kernel that takes it
-reads nothing but its weights and writes nothing; compiled for SM90 a kernel carries the
-griddepcontrol instructions, for SM86 none."""
+reads nothing but its weights and the window's metadata and writes nothing; compiled for
+SM90 a kernel carries the griddepcontrol instructions, for SM86 none."""
 
 from __future__ import annotations
 
