@@ -201,14 +201,17 @@ def test_the_kernel_compiles_for_rtx3090_and_h200(tmp_path):
 def test_layer_kernels_choose_the_paths_of_a_cuda_stages_process(monkeypatch):
     """--layer-kernels torch sends a CUDA stage's norms and projections to PyTorch, triton
     back to "auto"; a CPU stage leaves them as they are."""
-    from strata.layers import pdl
+    from strata.layers import l2_prefetch, pdl
     from strata.layers.norm import RMSNorm
     from strata.stage.stage import choose_kernels
-    for name, cls in (("path", Linear), ("path", RMSNorm), ("enabled", pdl)):
+    for name, cls in (("path", Linear), ("path", RMSNorm), ("enabled", pdl),
+                      ("enabled", l2_prefetch)):
         monkeypatch.setattr(cls, name, getattr(cls, name))
-    choose_kernels(torch.device("cuda"), False, "torch")
+    choose_kernels(torch.device("cuda"), False, "torch", False)
     assert Linear.path == RMSNorm.path == "torch" and not pdl.enabled
-    choose_kernels(torch.device("cpu"), True, "triton")
+    assert not l2_prefetch.enabled
+    choose_kernels(torch.device("cpu"), True, "triton", True)
     assert Linear.path == RMSNorm.path == "torch" and not pdl.enabled
-    choose_kernels(torch.device("cuda"), True, "triton")
-    assert Linear.path == RMSNorm.path == "auto" and pdl.enabled
+    assert not l2_prefetch.enabled
+    choose_kernels(torch.device("cuda"), True, "triton", True)
+    assert Linear.path == RMSNorm.path == "auto" and pdl.enabled and l2_prefetch.enabled

@@ -279,7 +279,8 @@ def _compile(arch: int) -> list[int]:
         return "*bf16" if name in ("gate_ptr", "up_ptr") else types(name)
 
     kernels = [
-        compile_kernel(moe_triton._gate_up, arch, gate_up | choosing(128, 8), dense_types,
+        compile_kernel(moe_triton._gate_up, arch, gate_up | choosing(128, 8) | dict(
+            ASKS=8 if arch >= 90 else 0, ASK_VALUES=8192), dense_types,
                        launch),
         compile_kernel(moe_triton._gate_up_q_rows, arch, rows | choosing(512, 10), types,
                        dict(num_warps=1)),

@@ -341,8 +341,12 @@ def compile_offline(arch: int, tokens: int, dtype, hidden: int = 2048, inter: in
                 "*" + TRITON_TYPES[dtype] if name.endswith("_ptr") else "i32")
 
     cached = dict(CACHED=tokens > 1)  # an expert cache's rows table (decode: none)
+    # a decode window's asks of its down weights into L2, where the GPU has the instruction
+    asks = dict(ASKS=8 if arch >= 90 and tokens <= 2 and dtype != torch.float32 else 0,
+                ASK_VALUES=8192)
     return [compile_kernel(kernel, arch, constants | cached, types, launch)
-            for kernel, constants in ((moe_triton._gate_up, gate_up | moe_triton.UNCHOSEN),
+            for kernel, constants in ((moe_triton._gate_up,
+                                       gate_up | moe_triton.UNCHOSEN | asks),
                                       (moe_triton._down, down | dict(PAIRWISE=False)))]
 
 

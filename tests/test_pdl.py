@@ -72,6 +72,7 @@ READ_BEFORE_WAIT = {
     "layers/norm_triton.py:_rms_norm": {"w_ptr"},
     "layers/route_triton.py:_norm_logits": {"norm_ptr", "router_ptr"},
     "quant/triton_quant.py:_gemv_rows": {"blocks_ptr"},
+    "layers/l2_prefetch.py:_prefetch": {"w_ptr"},
 }
 WRITES = ("tl.store", "tl.atomic_add", "tl.atomic_xchg", "tl.atomic_cas", "tl.atomic_max",
           "tl.atomic_min", "tl.atomic_or", "tl.atomic_and")

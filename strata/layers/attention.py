@@ -42,6 +42,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: PagedKVCache) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # views of [T, q + 2 kv]
+        self.o_proj.prefetch(x)  # its weight into L2 while the attention waits on latency
         gate = None
         if self.output_gate:
             q, gate = q.reshape(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)

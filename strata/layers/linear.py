@@ -51,6 +51,9 @@ class WeightFormat:
     quantized: bool = False           # weights in a supported block format stay in it
 
 
+PREFETCH_TOKENS = 64  # windows whose projections may ask L2 for their weights ahead
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), with W [out, in] kept as its spec says: dense, or (the loader
     decides, from the file) a uint8 tensor of its GGUF blocks whose `qtype` names the
@@ -77,6 +80,14 @@ class Linear(nn.Module):
             from strata.layers import gemv_triton
             return gemv_triton.gemv(x, w, self.bias)
         return F.linear(x, w, self.bias)
+
+    def prefetch(self, x: torch.Tensor) -> None:
+        """Ask the GPU's L2 for this projection's weight ahead of its product of a window
+        like `x` (decode and verify windows, while latency-bound kernels run before it:
+        strata/layers/l2_prefetch.py); nothing elsewhere."""
+        if x.is_cuda and x.shape[0] <= PREFETCH_TOKENS and quant.triton_available():
+            from strata.layers import l2_prefetch
+            l2_prefetch.prefetch(self.weight)
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """This projection of silu(gate) * up, gate_up [T, 2 in] holding the two halves: one

@@ -31,7 +31,10 @@ its gate and up kernel takes its token's top-k of the router's logits itself
 (`_chosen_tile`: the same choice in every program of a token, top_k_triton's `_choose`),
 program i serves pair i (token i // k's (i % k)-th chosen expert) in slot i, and program
 (i, 0) writes what `_down` reads of the pairs and the weights; `_down` then walks pairs,
-not experts (PAIRWISE), so an expert both tokens name is read twice. The decoder's
+not experts (PAIRWISE), so an expert both tokens name is read twice. With --l2-prefetch
+(`down_asks`) each program of such a window's gate and up kernel also asks the copy engine
+for its share of its expert's down weights into L2 (strata/layers/l2_prefetch.py), so
+that `_down` reads them from there. The decoder's
 post-attention norm and the router's matmul are then one launch before it (route_triton's
 `norm_logits`): H100, Qwen3-30B-A3B's shape in bf16, one-token decode 279 -> 300 tok/s
 (benchmarks/README.md). A decoding window of DeepSeek-V3 (k = 8
@@ -87,7 +90,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.layers import pdl
+from strata.layers import l2_prefetch, pdl
 from strata.layers.top_k_triton import _choose, _rounded
 from strata.quant.formats import FORMATS
 from strata.quant.triton_quant import (GROUPS, ROW_TOKENS, _accumulate,
@@ -234,13 +237,22 @@ def _gate_up(x_ptr, gate_ptr, up_ptr, h_ptr,           # [T, H], [E, I, H] x2, [
              BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              DOT_FP32: tl.constexpr, CACHED: tl.constexpr, CHOOSE: tl.constexpr,
              TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr,
-             RANKED: tl.constexpr, RENORMALISE: tl.constexpr, PDL: tl.constexpr):
+             RANKED: tl.constexpr, RENORMALISE: tl.constexpr, PDL: tl.constexpr,
+             down_ptr, stride_de, ASKS: tl.constexpr, ASK_VALUES: tl.constexpr):
     if PDL:
         pdl.wait()
     row, count, start, cols, col_ok = _gate_up_tile(  # cols: rows of I
         listed_ptr, counts_ptr, starts_ptr, order_ptr, rows_ptr, logits_ptr, weights_ptr,
         num_experts, inter, BLOCK_N, CACHED, CHOOSE, TOP_K, BLOCK_E, BLOCK_TOP, RANKED,
         RENORMALISE)
+    if ASKS > 0:  # asks its expert's down weights [H, I] (16-bit) into L2 for `_down`:
+        # ASK_VALUES values an ask, this column tile's asks tile, tile + tiles, ...
+        values = hidden * inter
+        first = (tl.program_id(1) + tl.arange(0, ASKS) * tl.num_programs(1)).to(
+            tl.int64) * ASK_VALUES
+        size = (tl.minimum(values - first, ASK_VALUES) * 2).to(tl.int32)
+        done = l2_prefetch.ask(down_ptr + row * stride_de + first, first < values, size)
+        tl.store(h_ptr + done, done.to(h_ptr.dtype.element_ty), mask=done != 0)  # never
     gate = gate_ptr + row * stride_ge + cols.to(tl.int64)[None, :] * stride_gi
     up = up_ptr + row * stride_ue + cols.to(tl.int64)[None, :] * stride_ui
     for first in range(0, count, BLOCK_T):  # once, unless a token names an expert twice
@@ -592,6 +604,24 @@ def _combined(out: torch.Tensor, tokens: int, top_k: int, dtype: torch.dtype) ->
     return y
 
 
+ASK_VALUES = 8192  # down weights a thread of the gate and up kernel asks into L2 (16 KB)
+
+
+def down_asks(down_proj: torch.Tensor, tokens: int, inter: int, block_n: int,
+              cached: bool) -> dict:
+    """The gate and up kernel's asks of its expert's down weights into L2 (--l2-prefetch):
+    windows of up to CHOOSE_TOKENS tokens over the layer's own 16-bit weights (no expert
+    cache, whose rows may lie in host memory) on a GPU with the bulk prefetch; ASKS, each
+    program's count, covers the expert's H x I values over its cdiv(I, block_n) tiles."""
+    if not (tokens <= CHOOSE_TOKENS and not cached and l2_prefetch.enabled
+            and down_proj.is_cuda and l2_prefetch.supported(down_proj.device)
+            and down_proj.element_size() == 2 and down_proj.is_contiguous()):
+        return dict(down_ptr=down_proj, stride_de=0, ASKS=0, ASK_VALUES=ASK_VALUES)
+    asks = triton.cdiv(down_proj.shape[1] * down_proj.shape[2], ASK_VALUES)
+    return dict(down_ptr=down_proj, stride_de=down_proj.stride(0), ASK_VALUES=ASK_VALUES,
+                ASKS=triton.next_power_of_2(triton.cdiv(asks, triton.cdiv(inter, block_n))))
+
+
 def _inner_contiguous(w: torch.Tensor) -> torch.Tensor:
     return w if w.stride(2) == 1 else w.contiguous()
 
@@ -783,7 +813,9 @@ def fused_experts(x: torch.Tensor, experts: torch.Tensor | None, weights: torch.
         x, gate_proj, up_proj, h, listed, counts, starts, order, cached, *choose, top_k,
         hidden, inter, x.stride(0), gate_proj.stride(0), gate_proj.stride(1),
         up_proj.stride(0), up_proj.stride(1), h.stride(0), **gate_up_constants,
-        CACHED=rows is not None, **choose_constants, **pdl.constants(x.device), **launch)
+        CACHED=rows is not None, **choose_constants, **pdl.constants(x.device),
+        **down_asks(down_proj, tokens, inter, gate_up_constants["BLOCK_N"], rows is not None),
+        **launch)
     _down[(listed.shape[0], triton.cdiv(hidden, down_constants["BLOCK_N"]))](
         h, down_proj, weights, out, listed, counts, starts, order,
         cached, hidden, inter, h.stride(0), down_proj.stride(0), down_proj.stride(1),

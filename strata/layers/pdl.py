@@ -21,9 +21,10 @@ weights before they wait, the quantized row GEMV (triton_quant._gemv_rows) reads
 decodes its first step's blocks, the norms load their scales and the MoE router its rows
 (route_triton.norm_logits), the rotary kernel (rotary_triton) its tokens' positions, cache
 rows, table rows and norm weights, the attention (attention/triton_kernel.py) its tiles,
-positions and first block numbers: the weights stream in while the kernels before them
-finish, and the metadata, which the host's copy and PyTorch's kernels write before a
-chain of PDL kernels starts, is there by then. A kernel may release at any point, its
+positions and first block numbers, the L2 prefetch (l2_prefetch.py) the weight it asks
+for: the weights stream in while the kernels before them finish, and the metadata, which
+the host's copy and PyTorch's kernels write before a chain of PDL kernels starts, is there
+by then. A kernel may release at any point, its
 very start too: the one after it may then run beside the one before it, which the rule
 makes harmless, since `wait` returns only once the previous kernel has completed, and
 that one completed only after its own `wait` had returned. The small latency-bound

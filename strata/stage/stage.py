@@ -41,13 +41,17 @@ log = logging.getLogger("strata.engine")
 REPORT = 1 + len(ExpertStats.names())  # numbers in a stage's report() per window
 
 
-def choose_kernels(device: torch.device, dependent_launch: bool, layer_kernels: str) -> None:
+def choose_kernels(device: torch.device, dependent_launch: bool, layer_kernels: str,
+                   l2_prefetch: bool = False) -> None:
     """This process's kernel choices for a CUDA stage (one config per process): programmatic
-    dependent launches (--pdl), and whether norms and dense projections take Strata's
-    Triton kernels where those take the window (--layer-kernels)."""
+    dependent launches (--pdl), weights asked into L2 ahead (--l2-prefetch), and whether
+    norms and dense projections take Strata's Triton kernels where those take the window
+    (--layer-kernels)."""
     if device.type == "cuda" and triton_available():
+        from strata.layers import l2_prefetch as prefetch
         from strata.layers import pdl
         pdl.enabled = dependent_launch
+        prefetch.enabled = l2_prefetch
         Linear.path = RMSNorm.path = "auto" if layer_kernels == "triton" else "torch"
 
 
@@ -92,7 +96,8 @@ class Stage:
                  device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
                  cache_size: CacheSize, mtp: bool = False, attention_backend: str = "auto",
                  compile_layers: bool = False, offload: ExpertOffload | None = None,
-                 dependent_launch: bool = True, layer_kernels: str = "triton"):
+                 dependent_launch: bool = True, layer_kernels: str = "triton",
+                 l2_prefetch: bool = False):
         self.index, self.layers, self.device, self.dtype = index, layers, device, dtype
         self.arch, self.cache_size, self.offload = arch, cache_size, offload
         self.experts: ExpertCaches | None = None  # set by load() with --experts-in-ram
@@ -105,7 +110,7 @@ class Stage:
         self.module.rotary.reset(device)
         if device.type == "cuda" and compile_layers:
             enable_compile()
-        choose_kernels(device, dependent_launch, layer_kernels)
+        choose_kernels(device, dependent_launch, layer_kernels, l2_prefetch)
         self.backend = get_backend(attention_backend, device)
 
         def cache(layer: int) -> Cache:
@@ -272,4 +277,5 @@ def build_stage(config, model_config, index: int, cache_size: CacheSize,
                  config.kv_dtype(), cache_size, mtp=mtp,
                  attention_backend=config.attention_backend,
                  compile_layers=config.compile == "on", offload=ExpertOffload.of(config),
-                 dependent_launch=config.pdl == "on", layer_kernels=config.layer_kernels)
+                 dependent_launch=config.pdl == "on", layer_kernels=config.layer_kernels,
+                 l2_prefetch=config.l2_prefetch == "on")
