@@ -15,9 +15,7 @@ and `fused` (strata/layers/moe_triton.py: two Triton kernels reading only the ro
 experts; CUDA, or anywhere under TRITON_INTERPRET=1), and `decoder`: the layer as a
 decoder layer runs it, from the attention's output and the residual (`add_norm_forward`:
 the post-attention add and norm too; on CUDA a 1-2 token window's norm, router logits
-and choosing experts' kernels, `chose` in the settings line, which `fused` does not run;
-the sum of a chosen window's expert rows by its own kernel, which the model leaves to the
-next layer's norm: ExpertRows).
+and choosing experts' kernels, `chose` in the settings line, which `fused` does not run).
 On CUDA every path is timed as a
 CUDA graph replay where it can be captured (launches and the replay's own ~14 us
 excluded: one graph runs GRAPH_CALLS windows, each of its own random tokens, so that no
@@ -37,7 +35,6 @@ import torch
 
 from strata.bench.report import add_record_flags, commit, machine, markdown_table, record
 from strata.bench.timing import GRAPH_CALLS, bandwidth, median_seconds, random_weights
-from strata.layers.expert_rows import summed
 from strata.layers.linear import LinearFactory, WeightFormat
 from strata.layers.moe import SparseMoE
 from strata.layers.norm import RMSNorm
@@ -109,8 +106,7 @@ def main() -> int:
                 if path == "decoder":  # from the attention's output, a residual beside it
                     windows = itertools.cycle([(x, torch.randn_like(x)) for x in xs])
                     chose[w] = layer._router_chooses(xs[0], norm) is not None
-                    step = lambda: summed(  # noqa: E731
-                        layer.add_norm_forward(*next(windows), norm)[0])
+                    step = lambda: layer.add_norm_forward(*next(windows), norm)  # noqa: E731
                 else:
                     windows = itertools.cycle(xs)
                     step = lambda: layer(next(windows))  # noqa: E731

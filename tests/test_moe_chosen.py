@@ -21,7 +21,6 @@ pytest.importorskip("triton")
 from strata.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.layers import moe_triton, route_triton
-from strata.layers.expert_rows import ExpertRows, summed
 from strata.layers.linear import LinearFactory
 from strata.layers.moe import GatedSharedMoE, GroupedExperts, SparseMoE
 from strata.layers.moe_triton import RouterChoice, fused_experts, fused_experts_quantized
@@ -182,10 +181,6 @@ def test_moe_layers_choose_for_one_or_two_tokens(tokens, shared, monkeypatch):
     routes = counted(monkeypatch, route_triton, "route_window")
     out, h = layer.add_norm_forward(x, residual, norm)
     chooses = tokens <= moe_triton.CHOOSE_TOKENS
-    # a chosen window's routed rows stay unsummed for the next norm (ExpertRows), but
-    # where a shared expert adds its own
-    assert isinstance(out, ExpertRows) == (chooses and not shared)
-    out = summed(out)
     assert (launches, len(routes)) == ([1] if chooses else [], int(not chooses))
     monkeypatch.setattr(SparseMoE, "_router_chooses", lambda *a: None)
     routed_out, routed_h = layer.add_norm_forward(x, residual, norm)
@@ -212,7 +207,7 @@ def test_quantized_experts_choose_for_one_token_in_a_layer(qtypes, monkeypatch):
     monkeypatch.setattr(SparseMoE, "_router_chooses", lambda *a: None)
     routed_out, routed_h = layer.add_norm_forward(x, residual, norm)
     assert routes == [1]
-    assert torch.equal(summed(out), routed_out) and torch.equal(h, routed_h)
+    assert torch.equal(out, routed_out) and torch.equal(h, routed_h)
 
 
 def test_an_engine_gives_the_same_tokens_with_it(tmp_path, monkeypatch):

@@ -54,37 +54,6 @@ def test_the_kernel_equals_the_pytorch_norms(dtype, hidden, kind, monkeypatch):
             torch.testing.assert_close(ours.float(), ref.float(), rtol=step, atol=step)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens, top_k, hidden", [(1, 8, 576), (2, 10, 100)])
-def test_it_sums_a_moes_expert_rows_as_their_own_kernel_does(dtype, tokens, top_k, hidden,
-                                                              monkeypatch):
-    """ExpertRows (a MoE's weighted expert rows, fp32, unsummed) into add_and_norm: the norm's
-    kernel sums them itself, bit for bit what moe_triton's `_combine` and then the norm
-    give; on PyTorch's path (or where the kernel does not take them) they are summed
-    first."""
-    from strata.layers import moe_triton
-    from strata.layers.expert_rows import ExpertRows, summed
-    norm = RMSNorm(hidden, 1e-6)
-    with torch.no_grad():
-        norm.weight.copy_(0.5 + torch.rand(hidden, generator=torch.Generator().manual_seed(3)))
-    norm = norm.to(dtype)
-    parts = ExpertRows(rows(tokens * top_k, hidden, torch.float32, 4).contiguous(), top_k,
-                       dtype)
-    residual = rows(tokens, hidden, dtype, 5)
-    combined = moe_triton._combined(parts.rows, tokens, top_k, dtype)
-    assert torch.equal(summed(parts), combined) and summed(combined) is combined
-    monkeypatch.setattr(RMSNorm, "path", "triton")
-    expected = norm.add_and_norm(combined, residual)
-    launches = []
-    real = moe_triton._combined
-    monkeypatch.setattr(moe_triton, "_combined", lambda *a: launches.append(1) or real(*a))
-    got = norm.add_and_norm(parts, residual)
-    assert launches == [] and all(map(torch.equal, got, expected))
-    monkeypatch.setattr(RMSNorm, "path", "torch")
-    got = norm.add_and_norm(parts, residual)
-    assert launches == [1] and all(map(torch.equal, got, norm.add_and_norm(combined, residual)))
-
-
 def test_it_leaves_what_it_does_not_take_to_pytorch(monkeypatch):
     """Per-head norms (q and k [T, H, D]) and a weight of another dtype than the rows."""
     from strata.layers import norm_triton
@@ -116,19 +85,16 @@ def test_engines_give_the_same_tokens_with_it(tmp_path, monkeypatch):
     assert any(called) and not all(called)  # added and plain (the first layer's input)
 
 
-def _compile(arch: int, dtype, hidden: int, residual: bool, parts: int = 0) -> int:
-    """`parts`: x holds that many fp32 rows a token (a MoE's ExpertRows)."""
+def _compile(arch: int, dtype, hidden: int, residual: bool) -> int:
     from strata.layers import norm_triton
 
     def types(name: str) -> str:
-        if name == "x_ptr" and parts:
-            return "*fp32"
         return ("fp32" if name == "eps" else "*" + TRITON_TYPES[dtype] if name.endswith("_ptr")
                 else "i32")
 
     block = 1 << (hidden - 1).bit_length()
     kernel = compile_kernel(norm_triton._rms_norm, arch, dict(
-        BLOCK=block, RESIDUAL=residual, ONE_PLUS=residual, PARTS=parts), types,
+        BLOCK=block, RESIDUAL=residual, ONE_PLUS=residual), types,
         dict(num_warps=min(16, max(1, block // 256)), num_stages=3))
     return kernel.metadata.shared
 
@@ -136,6 +102,5 @@ def _compile(arch: int, dtype, hidden: int, residual: bool, parts: int = 0) -> i
 def test_the_kernel_compiles_for_rtx3090_and_h200(tmp_path):
     code = ("import torch; from test_norm_triton import _compile\n"
             "print(*[_compile(arch, t, h, r) for t in (torch.bfloat16, torch.float16)"
-            " for h in (576, 4096) for r in (False, True)],"
-            " *[_compile(arch, torch.bfloat16, h, True, 8) for h in (2048, 4096)])")
-    assert len(offline_compiled(code, tmp_path)) == 20
+            " for h in (576, 4096) for r in (False, True)])")
+    assert len(offline_compiled(code, tmp_path)) == 16

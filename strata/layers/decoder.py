@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from strata.kvcache.cache import Cache
-from strata.layers.expert_rows import ExpertRows, summed
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.norm import RMSNorm
 
@@ -44,15 +43,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: Cache) -> torch.Tensor:
         out, h = self.forward_split(x, None, meta, cache)
-        return h + summed(out)
+        return h + out
 
-    def forward_split(self, x: torch.Tensor | ExpertRows, residual: torch.Tensor | None,
-                      meta: ForwardMeta, cache: Cache
-                      ) -> tuple[torch.Tensor | ExpertRows, torch.Tensor]:
+    def forward_split(self, x: torch.Tensor, residual: torch.Tensor | None, meta: ForwardMeta,
+                      cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on input `x + residual` (`residual` None: on `x`), returned as its two
         summands (mlp output, h), whose sum is the layer's output: the add is left to the
-        next norm, which makes it with its own kernel's (RMSNorm.add_and_norm), and so
-        may the sum of a MoE's expert rows (ExpertRows)."""
+        next norm, which makes it with its own kernel's (RMSNorm.add_and_norm)."""
         if residual is None:
             normed = self.input_layernorm(x)
         else:

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.layers.expert_rows import ExpertRows, summed
 from strata.layers.linear import LinearFactory, ParamSpec, with_spec
 from strata.layers.mlp import GatedMLP
 from strata.layers.norm import RMSNorm
@@ -60,8 +59,7 @@ class SparseMoE(nn.Module):
         from strata.layers import moe_triton, route_triton
         h, normed, logits = route_triton.norm_logits(x, residual, norm, router)
         choice = moe_triton.RouterChoice(logits, self.top_k, self.norm_topk_prob)
-        return self._with_shared(normed, self.experts(normed, None, None, choice=choice,
-                                                      unsummed=True)), h
+        return self._with_shared(normed, self.experts(normed, None, None, choice=choice)), h
 
     def _router_chooses(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor | None:
         """The router's dense weight where the experts' kernel takes the top-k of a window
@@ -77,10 +75,8 @@ class SparseMoE(nn.Module):
         from strata.layers.route_triton import dense_router
         return dense_router(self.gate, x) if x.shape[0] <= CHOOSE_TOKENS else None
 
-    def _with_shared(self, x: torch.Tensor,
-                     routed: torch.Tensor | ExpertRows) -> torch.Tensor | ExpertRows:
-        """The routed experts' output plus what every token passes through (none here: the
-        rows may stay unsummed, ExpertRows)."""
+    def _with_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output plus what every token passes through (none here)."""
         return routed
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
@@ -127,9 +123,8 @@ class GatedSharedMoE(SparseMoE):
         self.shared_expert = GatedMLP(hidden, shared_intermediate, linear)
         self.shared_expert_gate = linear(hidden, 1)
 
-    def _with_shared(self, x: torch.Tensor,
-                     routed: torch.Tensor | ExpertRows) -> torch.Tensor:
-        return summed(routed) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+    def _with_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 class GroupedTopKRouter(nn.Module):
@@ -252,12 +247,10 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor | None,
                 weights: torch.Tensor | None, route: tuple[torch.Tensor, ...] | None = None,
-                choice=None, unsummed: bool = False) -> torch.Tensor | ExpertRows:
+                choice=None) -> torch.Tensor:
         """`route`: the pairs grouped by expert already (where `takes_route`). `choice`
         (experts and weights None; a one-token window where `takes_route`): the fused
-        kernels take the top-k of the router's logits themselves (moe_triton.RouterChoice).
-        `unsummed`: the fused path over the layer's own weights may leave each token's
-        weighted expert rows unsummed, for the next norm's kernel (ExpertRows)."""
+        kernels take the top-k of the router's logits themselves (moe_triton.RouterChoice)."""
         if self.offload is not None:
             self.offload.before(x)
         path = self._path(x)
@@ -269,10 +262,9 @@ class GroupedExperts(nn.Module):
                 return moe_triton.fused_experts_quantized(
                     x, experts, weights, *((w, w.qtype) for w in
                                            (self.gate_proj, self.up_proj, self.down_proj)),
-                    route=route, choice=choice, unsummed=unsummed)
+                    route=route, choice=choice)
             return moe_triton.fused_experts(x, experts, weights, self.gate_proj, self.up_proj,
-                                            self.down_proj, route=route, choice=choice,
-                                            unsummed=unsummed)
+                                            self.down_proj, route=route, choice=choice)
         return self.grouped(x, experts, weights)
 
     def grouped(self, x: torch.Tensor, experts: torch.Tensor,

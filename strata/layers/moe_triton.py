@@ -21,11 +21,9 @@ follow, one program per (listed expert, tile of BLOCK_N output columns):
               out [T*k, H] at the pair's own index p.
 
 and y = out.view(T, k, H).sum(1) in x's dtype: each token's k rows added in order (no
-atomic adds, so the result is deterministic) by one more launch (`_combine`), or, with
-`unsummed`, by the kernel that reads y next (ExpertRows: the next layer's input norm sums
-them itself, the same bits, one launch fewer). (Adding them in the last `_down` program
-of each column tile, counted in by counters.py, saved that launch yet measured no faster:
-benchmarks/README.md.) A router may have grouped the pairs
+atomic adds, so the result is deterministic) by one more launch (`_combine`). (Adding them
+in the last `_down` program of each column tile, counted in by counters.py, saved that
+launch yet measured no faster: benchmarks/README.md.) A router may have grouped the pairs
 already (route_triton's `route_window`: the router's logits, top-k and this grouping in
 one launch); `route` then skips `_route_pairs`. A window of one or two tokens
 (CHOOSE_TOKENS) needs no grouping launch at all (`choice`, RouterChoice): each program of
@@ -93,7 +91,6 @@ import triton
 import triton.language as tl
 
 from strata.layers import l2_prefetch, pdl
-from strata.layers.expert_rows import ExpertRows
 from strata.layers.top_k_triton import _choose, _rounded
 from strata.quant.formats import FORMATS
 from strata.quant.triton_quant import (GROUPS, ROW_TOKENS, _accumulate,
@@ -596,13 +593,9 @@ def _combine(out_ptr, y_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
 COMBINE_BLOCK = 512  # hidden columns per _combine program
 
 
-def _combined(out: torch.Tensor, tokens: int, top_k: int, dtype: torch.dtype,
-              unsummed: bool = False) -> torch.Tensor | ExpertRows:
+def _combined(out: torch.Tensor, tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
     """Each token's k weighted expert rows of out [T*k, H] (fp32) summed, in `dtype`: one
-    launch for what .sum and the cast took two for. `unsummed`: the rows, as ExpertRows,
-    for the next norm's kernel to sum."""
-    if unsummed:
-        return ExpertRows(out, top_k, dtype)
+    launch for what .sum and the cast took two for."""
     hidden = out.shape[1]
     y = torch.empty(tokens, hidden, dtype=dtype, device=out.device)
     _combine[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](
@@ -788,8 +781,7 @@ def fused_experts(x: torch.Tensor, experts: torch.Tensor | None, weights: torch.
                   gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
                   rows: torch.Tensor | None = None, usage: torch.Tensor | None = None,
                   route: tuple[torch.Tensor, ...] | None = None,
-                  choice: RouterChoice | None = None,
-                  unsummed: bool = False) -> torch.Tensor | ExpertRows:
+                  choice: RouterChoice | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, j], for
     x [T, H] (1 <= T <= 32; float32, bfloat16 or float16), experts [T, k] (int64 or
     int32 ids in 0..E-1, 1 <= k <= 10), weights [T, k] (any float dtype), gate_proj and
@@ -829,7 +821,7 @@ def fused_experts(x: torch.Tensor, experts: torch.Tensor | None, weights: torch.
         cached, hidden, inter, h.stride(0), down_proj.stride(0), down_proj.stride(1),
         out.stride(0), **down_constants, CACHED=rows is not None, PAIRWISE=choice is not None,
         **pdl.constants(x.device), **launch)
-    return _combined(out, tokens, top_k, x.dtype, unsummed)
+    return _combined(out, tokens, top_k, x.dtype)
 
 
 def quantized_constants(tokens: int, dtype: torch.dtype, qtypes: tuple[str, str, str],
@@ -898,8 +890,7 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor | None,
                             rows: torch.Tensor | None = None,
                             usage: torch.Tensor | None = None,
                             route: tuple[torch.Tensor, ...] | None = None,
-                            choice: RouterChoice | None = None,
-                            unsummed: bool = False) -> torch.Tensor | ExpertRows:
+                            choice: RouterChoice | None = None) -> torch.Tensor:
     """`fused_experts` with quantized experts: gate, up and down each a pair (blocks,
     qtype) of a format of strata/quant/formats.py (each its own), gate and up blocks
     uint8 [E, I, row bytes of H], down blocks uint8 [E, H, row bytes of I], as the GGUF
@@ -953,7 +944,7 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor | None,
             down_blocks.stride(0), down_blocks.stride(1), out.stride(0), **down_rows,
             CACHED=rows is not None, PAIRWISE=choice is not None, **pdl.constants(x.device),
             num_warps=1)
-        return _combined(out, tokens, top_k, x.dtype, unsummed)
+        return _combined(out, tokens, top_k, x.dtype)
     gate_up_constants, down_constants, launch = quantized_constants(
         tokens, x.dtype, (gate_qtype, up_qtype, down_qtype), hidden, inter, x.device.type)
     _gate_up_q[(listed.shape[0], triton.cdiv(inter, gate_up_constants["BLOCK_N"]))](
@@ -967,4 +958,4 @@ def fused_experts_quantized(x: torch.Tensor, experts: torch.Tensor | None,
         cached, hidden, inter // GROUPS[down_qtype][0], h.stride(0), down_blocks.stride(0),
         down_blocks.stride(1), out.stride(0), **down_constants, CACHED=rows is not None,
         **pdl.constants(x.device), **launch)
-    return _combined(out, tokens, top_k, x.dtype, unsummed)
+    return _combined(out, tokens, top_k, x.dtype)

@@ -5,7 +5,6 @@ triton both run as norm_triton.py's kernel (the residual add before the norm in 
 import torch
 from torch import nn
 
-from strata.layers.expert_rows import ExpertRows
 from strata.layers.fused import add_rms_norm, rms_norm
 from strata.quant import triton_available
 
@@ -27,16 +26,9 @@ class RMSNorm(nn.Module):
             return norm_triton.rms_norm(x, self.weight, self.eps, None, self.one_plus)
         return rms_norm(x, self._scale(), self.eps)
 
-    def add_and_norm(self, x: torch.Tensor | ExpertRows,
+    def add_and_norm(self, x: torch.Tensor,
                      residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + residual, this norm of it): one kernel where compiled or on triton's path,
-        which sums ExpertRows too."""
-        if isinstance(x, ExpertRows):
-            if self.runs_kernel(residual):
-                from strata.layers import norm_triton
-                return norm_triton.rms_norm(x.rows, self.weight, self.eps, residual,
-                                            self.one_plus, parts=x.top_k)
-            x = x.summed()
+        """(x + residual, this norm of it): one kernel where compiled or on triton's path."""
         if self.runs_kernel(x):
             from strata.layers import norm_triton
             return norm_triton.rms_norm(x, self.weight, self.eps, residual, self.one_plus)

@@ -10,9 +10,7 @@ Program t takes row t. It rounds where the PyTorch functions of fused.py (the gr
 truth) round in the activation dtype: the sum x + residual (which it stores, and
 normalises), the normalised row before the weight, the weight's product; a zero-centred
 norm's weight (1 + w) is rounded too. The mean of squares is float32, so bf16 results
-equal PyTorch's but for that reduction's order. Where x is a MoE's unsummed expert rows
-(ExpertRows: PARTS fp32 rows a token), the program first adds them up in order and
-rounds the sum to the activation dtype, as moe_triton's `_combine` would have.
+equal PyTorch's but for that reduction's order.
 
 NOTE: importing this module imports triton; strata/layers/norm.py imports it only on the
 path that runs it. Nothing here syncs with the host or allocates by data (CUDA graphs).
@@ -25,7 +23,6 @@ import triton
 import triton.language as tl
 
 from strata.layers import pdl
-from strata.layers.top_k_triton import _rounded
 
 MAX_HIDDEN = 16384  # a row is one program's block
 
@@ -48,7 +45,7 @@ def _normed(x, w, hidden, eps, ONE_PLUS: tl.constexpr):
 def _rms_norm(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr,   # [T, H] x4 (sum: x + res), [H]
               hidden, stride_x, stride_r, eps,
               BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, ONE_PLUS: tl.constexpr,
-              PDL: tl.constexpr, PARTS: tl.constexpr = 0):
+              PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     ok = i < hidden
@@ -57,13 +54,7 @@ def _rms_norm(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr,   # [T, H] x4 (sum: x + r
         pdl.release()
         pdl.wait()
     dtype = out_ptr.dtype.element_ty
-    if PARTS > 0:  # x: each row's PARTS fp32 summands (a MoE's expert rows), in order
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        for j in tl.static_range(PARTS):
-            total += tl.load(x_ptr + (t * PARTS + j) * stride_x + i, mask=ok, other=0.0)
-        x = _rounded(total, dtype).to(dtype)
-    else:
-        x = tl.load(x_ptr + t * stride_x + i, mask=ok, other=0.0)
+    x = tl.load(x_ptr + t * stride_x + i, mask=ok, other=0.0)
     if RESIDUAL:
         x = (x.to(tl.float32) + tl.load(res_ptr + t * stride_r + i, mask=ok,
                                         other=0.0).to(tl.float32)).to(dtype)
@@ -80,26 +71,20 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None, one_plus: bool = False, parts: int = 0):
+             residual: torch.Tensor | None = None, one_plus: bool = False):
     """RMSNorm of x (`residual` given: of x + residual, returned with it as (sum, normed)),
-    scaled by `weight` (`one_plus`: by 1 + weight). `parts` (with a residual): x is
-    [T * parts, H] float32, each token's `parts` rows summed in order and cast to the
-    residual's dtype first (ExpertRows, as moe_triton's `_combine` sums them)."""
+    scaled by `weight` (`one_plus`: by 1 + weight)."""
     tokens, hidden = x.shape
-    if parts:
-        tokens, dtype = tokens // parts, residual.dtype
-    else:
-        dtype = x.dtype
     if x.stride(1) != 1:
         x = x.contiguous()
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
-    out = torch.empty(tokens, hidden, dtype=dtype, device=x.device)
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     total = torch.empty_like(out) if residual is not None else out
     block = triton.next_power_of_2(hidden)
     _rms_norm[(tokens,)](
         x, residual if residual is not None else x, weight, total, out, hidden, x.stride(0),
         residual.stride(0) if residual is not None else 0, eps, BLOCK=block,
         RESIDUAL=residual is not None, ONE_PLUS=one_plus, **pdl.constants(x.device),
-        PARTS=parts, num_warps=min(16, max(1, block // 256)))
+        num_warps=min(16, max(1, block // 256)))
     return (total, out) if residual is not None else out

@@ -21,7 +21,6 @@ from strata.experts.cache import ExpertCaches, ExpertStats
 from strata.errors import StrataError
 from strata.kvcache.cache import Cache, HostBlocks, PagedKVCache, SlotStateCache, allocate
 from strata.kvcache.spec import CacheSize
-from strata.layers.expert_rows import summed
 from strata.layers.forward_meta import ForwardMeta
 from strata.layers.fused import enable_compile
 from strata.layers.linear import Linear, LinearFactory, WeightFormat
@@ -89,7 +88,7 @@ class StageModule(nn.Module):
             normed = (self.model.norm(h) if residual is None
                       else self.model.norm.add_and_norm(h, residual)[1])
             return self.lm_head(normed[meta.logits_idx]), normed
-        return h if residual is None else summed(h) + residual
+        return h if residual is None else h + residual
 
 
 class Stage:
