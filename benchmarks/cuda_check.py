@@ -63,6 +63,9 @@ def main() -> int:
     parser.add_argument("--gguf", default=None, help="also check the fast path on this model")
     parser.add_argument("--experts-only", action="store_true",
                         help="only the expert cache's checks (--experts-in-ram)")
+    parser.add_argument("--l2-prefetch", default="off", choices=("on", "off"),
+                        help="the fast path's engines with weights asked into L2 ahead "
+                             "(strata/layers/l2_prefetch.py)")
     args = parser.parse_args()
     devices = tuple(args.devices.split(","))
     if args.experts_only:
@@ -95,12 +98,13 @@ def main() -> int:
             same = sum(a == b for s, t in zip(solo, batched) for a, b in zip(s, t))
             total = sum(len(s) for s in solo)
             rows.append([kind, f"{max(errors):.1e}", f"{agree}/{total}", f"{same}/{total}"])
-        fast = [fast_path(str(Path(tmp) / kind), devices) for kind in KINDS]
+        fast = [fast_path(str(Path(tmp) / kind), devices, args.l2_prefetch) for kind in KINDS]
         reuse = [reuse_path(str(Path(tmp) / kind), devices) for kind in ("llama", "qwen3_next")]
     if args.gguf:
-        fast.append(fast_path(args.gguf, devices))
+        fast.append(fast_path(args.gguf, devices, args.l2_prefetch))
     device = torch.device(devices[0])
-    print(f"machine: {machine()}\ncommit: {commit()}\ndevices: {args.devices}\n")
+    print(f"machine: {machine()}\ncommit: {commit()}\ndevices: {args.devices}, "
+          f"--l2-prefetch {args.l2_prefetch} (the fast path)\n")
     print(markdown_table(["model", "fp32 CUDA vs transformers: max rel. logit error",
                           "bf16 greedy tokens = fp32 greedy", "bf16 batched tokens = bf16 solo"],
                          rows))
@@ -355,11 +359,13 @@ def pytorch_paths():
             c.path = path
 
 
-def fast_path(model: str, devices: tuple[str, ...]) -> list[str]:
+def fast_path(model: str, devices: tuple[str, ...], l2_prefetch: str = "off") -> list[str]:
     """The triton backend's bf16 logits against the reference backend's (with PyTorch's
     norms, rotation and projections: `pytorch_paths`); greedy tokens of graph replays
-    against eager windows (both triton), with drafts."""
-    common = dict(model=model, devices=devices, dtype="bf16", max_context=512, parallel=4)
+    against eager windows (both triton), with drafts. `l2_prefetch`: every engine's
+    --l2-prefetch."""
+    common = dict(model=model, devices=devices, dtype="bf16", max_context=512, parallel=4,
+                  l2_prefetch=l2_prefetch)
     engines = {name: Engine(EngineConfig(**common, attention_backend=name, cuda_graphs="off",
                                          compile="off" if name == "reference" else "on"))
                for name in ("reference", "triton")}
