@@ -66,6 +66,9 @@ def main() -> int:
                         help="of grouped, fused, decoder")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--bandwidth", type=float, help="device GB/s (default: measured)")
+    parser.add_argument("--l2-prefetch", default="off", choices=("on", "off"),
+                        help="a 1-2 token window's gate and up kernel asks its experts' down "
+                             "weights into L2 (strata/layers/l2_prefetch.py; Hopper)")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     widths = [int(w) for w in args.widths.split(",")]
@@ -79,6 +82,9 @@ def main() -> int:
         print("moe_cost: error: the fused path runs on CUDA, or on the CPU under "
               "TRITON_INTERPRET=1; or leave it out: --paths grouped,decoder", file=sys.stderr)
         return 2
+    if device.type == "cuda":
+        from strata.layers import l2_prefetch
+        l2_prefetch.enabled = args.l2_prefetch == "on"
     layer = moe_layer(args, device, dtype)
     norm = RMSNorm(layer.gate.in_features, 1e-6).to(device, dtype)  # weight 1
     experts = layer.experts
@@ -119,14 +125,15 @@ def main() -> int:
           f"experts={num_experts} top_k={layer.top_k} hidden={hidden} "
           f"expert_width={experts.gate_proj.shape[1]} dtype={args.dtype} device={device} "
           f"bandwidth={speed / 1e9:.0f} GB/s ({'given' if args.bandwidth else 'measured'}) "
-          f"repeats={args.repeats} (median)"
+          f"repeats={args.repeats} (median) l2_prefetch={args.l2_prefetch}"
           + (f" chose={','.join(str(w) for w in chose if chose[w]) or 'none'}" if chose else ""))
     print(markdown_table(["w", "experts touched", "MiB read", "roofline us"]
                          + [f"{p} us / roofline" for p in paths], rows))
     record(args, {"benchmark": "moe_cost", "settings": {
         "preset": args.preset, "experts": num_experts, "top_k": layer.top_k,
         "dtype": args.dtype, "device": str(device), "bandwidth": speed,
-        "chose": [w for w in chose if chose[w]]}, "widths": raw})
+        "chose": [w for w in chose if chose[w]], "l2_prefetch": args.l2_prefetch},
+        "widths": raw})
     return 0
 
 
