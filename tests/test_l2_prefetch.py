@@ -28,6 +28,9 @@ def test_nothing_is_asked_on_the_cpu_or_when_off(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     l2_prefetch.prefetch(fake)
     assert launched == [(1,)]
+    l2_prefetch.prefetch(torch.ones(3, dtype=torch.uint8))  # no whole 16-byte unit
+    l2_prefetch.prefetch(torch.ones(64)[1:])  # not 16-byte aligned
+    assert launched == [(1,)]
     monkeypatch.setattr(l2_prefetch, "enabled", False)
     l2_prefetch.prefetch(fake)
     assert launched == [(1,)]
@@ -85,6 +88,7 @@ def test_the_gate_and_up_kernel_asks_for_each_down_weight_once(hidden, inter, bl
     monkeypatch.setattr(l2_prefetch, "enabled", True)
     assert moe_triton.down_asks(down, 3, inter, block_n, False)["ASKS"] == 0
     assert moe_triton.down_asks(down, 1, inter, block_n, True)["ASKS"] == 0
+    assert moe_triton.down_asks(down[:, :, 1:], 1, inter, block_n, False)["ASKS"] == 0
     plan = moe_triton.down_asks(down, 2, inter, block_n, False)
     assert plan["stride_de"] == hidden * inter and plan["ASKS"] > 0
     values, step = hidden * inter, plan["ASK_VALUES"]

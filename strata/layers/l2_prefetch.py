@@ -81,11 +81,15 @@ def chunks(num_bytes: int) -> int:
 
 
 def prefetch(weight: torch.Tensor) -> None:
-    """Ask L2 for `weight`'s bytes (contiguous, on a GPU that has the bulk prefetch, while
-    `enabled`; else nothing)."""
+    """Ask L2 for `weight`'s bytes (contiguous, 16-byte aligned, on a GPU that has the bulk
+    prefetch, while `enabled`; else nothing). The instruction takes whole 16-byte units:
+    a last few bytes past them are not asked for."""
     if not (enabled and weight.is_cuda and supported(weight.device)
-            and weight.is_contiguous() and weight.numel()):
+            and weight.is_contiguous() and weight.data_ptr() % 16 == 0):
         return
     data = weight.view(-1).view(torch.uint8)
-    _prefetch[(chunks(data.numel()),)](data, data.numel(), CHUNK=CHUNK, THREADS=THREADS,
-                                       **pdl.constants(weight.device), num_warps=THREADS // 32)
+    num_bytes = data.numel() // 16 * 16
+    if num_bytes:
+        _prefetch[(chunks(num_bytes),)](data, num_bytes, CHUNK=CHUNK, THREADS=THREADS,
+                                        **pdl.constants(weight.device),
+                                        num_warps=THREADS // 32)

@@ -615,7 +615,9 @@ def down_asks(down_proj: torch.Tensor, tokens: int, inter: int, block_n: int,
     program's count, covers the expert's H x I values over its cdiv(I, block_n) tiles."""
     if not (tokens <= CHOOSE_TOKENS and not cached and l2_prefetch.enabled
             and down_proj.is_cuda and l2_prefetch.supported(down_proj.device)
-            and down_proj.element_size() == 2 and down_proj.is_contiguous()):
+            and down_proj.element_size() == 2 and down_proj.is_contiguous()
+            and down_proj.data_ptr() % 16 == 0 and down_proj.stride(0) % 8 == 0):
+        # NOTE: the instruction takes 16-byte aligned runs of whole 16-byte units
         return dict(down_ptr=down_proj, stride_de=0, ASKS=0, ASK_VALUES=ASK_VALUES)
     asks = triton.cdiv(down_proj.shape[1] * down_proj.shape[2], ASK_VALUES)
     return dict(down_ptr=down_proj, stride_de=down_proj.stride(0), ASK_VALUES=ASK_VALUES,
