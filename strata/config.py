@@ -110,9 +110,9 @@ class EngineConfig:
         choices=("on", "off")))
     l2_prefetch: str = field(default="off", metadata=_opt(
         "on: on GPUs of compute capability 9.0 or more (Hopper), a decode or verify "
-        "window's attention asks the copy engine to bring o_proj's weight into L2 while "
-        "the attention's latency-bound kernels run, and a 1-2 token MoE window's gate and "
-        "up kernel its experts' down weights, so those products read them from L2 "
+        "window's attention asks the bulk-copy unit (TMA) to bring o_proj's weight into L2 "
+        "while the attention's latency-bound kernels run, and a 1-2 token MoE window's "
+        "gate and up kernel its experts' down weights, so those products read them from L2 "
         "(strata/layers/l2_prefetch.py; not yet timed on a GPU: off by default); off: "
         "every weight read from device memory by its own product",
         choices=("on", "off")))

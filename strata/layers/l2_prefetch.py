@@ -4,8 +4,8 @@ latency-bound kernels before it run (Hopper's bulk prefetch, `cp.async.bulk.pref
 A decoding layer's dense projections read their weights from device memory at full
 bandwidth, but the kernels between them (the rotation, the attention and the merge of its
 splits) wait on latency and leave that bandwidth idle. `prefetch(w)` launches one small
-kernel whose threads each ask the copy engine for CHUNK bytes of `w` into L2 and end: no
-registers, no shared memory, no SM kept busy while the bytes move. The projection after
+kernel whose threads each ask the SM's bulk-copy unit (TMA) for CHUNK bytes of `w` into L2
+and end: no registers, no shared memory, no SM kept busy while the bytes move. The projection after
 the latency-bound kernels then reads most of its weight from L2. The launch is a
 programmatic dependent one like the layer kernels' (strata/layers/pdl.py): it releases at
 its start and waits before it ends, so the chain's order holds; a weight is never written
@@ -15,7 +15,7 @@ the product reads the same bytes with or without it.
 Users: Attention asks for o_proj's weight once q, k and v are projected (Linear.prefetch,
 windows of up to 64 tokens); moe_triton's gate and up kernel of a 1-2 token window asks,
 program by program, for its expert's down weights (`ask`), which the down kernel reads
-next. Only on compute capability 9.0 and newer (the bulk copy engine) and where `enabled`
+next. Only on compute capability 9.0 and newer (the bulk-copy unit) and where `enabled`
 (`--l2-prefetch`, EngineConfig; off by default: built and tested on the CPU, its speed not
 yet measured on a GPU, benchmarks/README.md); elsewhere nothing is asked. Under triton's
 interpreter (the CPU tests) there is no such instruction: `chunks` is the launch's plan as

@@ -32,9 +32,9 @@ its gate and up kernel takes its token's top-k of the router's logits itself
 program i serves pair i (token i // k's (i % k)-th chosen expert) in slot i, and program
 (i, 0) writes what `_down` reads of the pairs and the weights; `_down` then walks pairs,
 not experts (PAIRWISE), so an expert both tokens name is read twice. With --l2-prefetch
-(`down_asks`) each program of such a window's gate and up kernel also asks the copy engine
-for its share of its expert's down weights into L2 (strata/layers/l2_prefetch.py), so
-that `_down` reads them from there. The decoder's
+(`down_asks`) each program of such a window's gate and up kernel also asks the SM's
+bulk-copy unit for its share of its expert's down weights into L2
+(strata/layers/l2_prefetch.py), so that `_down` reads them from there. The decoder's
 post-attention norm and the router's matmul are then one launch before it (route_triton's
 `norm_logits`): H100, Qwen3-30B-A3B's shape in bf16, one-token decode 279 -> 300 tok/s
 (benchmarks/README.md). A decoding window of DeepSeek-V3 (k = 8
