@@ -5,8 +5,8 @@ A decoding layer's dense projections read their weights from device memory at fu
 bandwidth, but the kernels between them (the rotation, the attention and the merge of its
 splits) wait on latency and leave that bandwidth idle. `prefetch(w)` launches one small
 kernel whose threads each ask the SM's bulk-copy unit (TMA) for CHUNK bytes of `w` into L2
-and end: no registers, no shared memory, no SM kept busy while the bytes move. The projection after
-the latency-bound kernels then reads most of its weight from L2. The launch is a
+and end: no registers, no shared memory, no SM kept busy while the bytes move. The
+projection after the latency-bound kernels then reads most of its weight from L2. The launch is a
 programmatic dependent one like the layer kernels' (strata/layers/pdl.py): it releases at
 its start and waits before it ends, so the chain's order holds; a weight is never written
 by a kernel, so reading it before the wait keeps pdl.py's rule. The prefetch is a hint:

@@ -251,7 +251,8 @@ def _gate_up(x_ptr, gate_ptr, up_ptr, h_ptr,           # [T, H], [E, I, H] x2, [
         first = (tl.program_id(1) + tl.arange(0, ASKS) * tl.num_programs(1)).to(
             tl.int64) * ASK_VALUES
         size = (tl.minimum(values - first, ASK_VALUES) * 2).to(tl.int32)
-        done = l2_prefetch.ask(down_ptr + row * stride_de + first, first < values, size)
+        done = l2_prefetch.ask(down_ptr + row * stride_de + first,
+                               (first < values) & (count > 0), size)  # (padding: none)
         tl.store(h_ptr + done, done.to(h_ptr.dtype.element_ty), mask=done != 0)  # never
     gate = gate_ptr + row * stride_ge + cols.to(tl.int64)[None, :] * stride_gi
     up = up_ptr + row * stride_ue + cols.to(tl.int64)[None, :] * stride_ui
