@@ -10,9 +10,32 @@ import pytest
 import torch
 from conftest import compile_kernel, offline_compiled
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
 from strata.layers import l2_prefetch  # noqa: E402
 from strata.layers.linear import PREFETCH_TOKENS, LinearFactory  # noqa: E402
+
+
+@triton.jit
+def _record_plan(starts_ptr, sizes_ptr, num_bytes, CHUNK: tl.constexpr,
+                 THREADS: tl.constexpr):
+    """Each thread's ask of `_prefetch`'s program p, recorded (size 0: no ask)."""
+    start, asks, size = l2_prefetch.plan(tl.program_id(0), num_bytes, CHUNK, THREADS)
+    at = tl.program_id(0) * THREADS + tl.arange(0, THREADS)
+    tl.store(starts_ptr + at, start)
+    tl.store(sizes_ptr + at, tl.where(asks, size, 0))
+
+
+@triton.jit
+def _record_share(firsts_ptr, sizes_ptr, values, ASKS: tl.constexpr,
+                  ASK_VALUES: tl.constexpr):
+    """Column tile p's asks of the MoE gate and up kernel, recorded (size 0: no ask)."""
+    first, asks, size = l2_prefetch.share(tl.program_id(0), tl.num_programs(0), values, ASKS,
+                                          ASK_VALUES)
+    at = tl.program_id(0) * ASKS + tl.arange(0, ASKS)
+    tl.store(firsts_ptr + at, tl.where(asks, first, 0))
+    tl.store(sizes_ptr + at, tl.where(asks, size, 0))
 
 
 def test_nothing_is_asked_on_the_cpu_or_when_off(monkeypatch):
@@ -40,16 +63,18 @@ def test_nothing_is_asked_on_the_cpu_or_when_off(monkeypatch):
                                        l2_prefetch.CHUNK * l2_prefetch.THREADS + 16,
                                        2048 * 4096 * 2])
 def test_the_asks_cover_every_byte_once(num_bytes):
-    """The kernel's plan, as plain Python: thread i of program p asks for bytes from
-    (p THREADS + i) CHUNK, at most CHUNK of them, while that start is in the weight."""
+    """The kernel's plan (`plan`, run in triton's interpreter over the launch's programs):
+    thread i of program p asks for bytes from (p THREADS + i) CHUNK, at most CHUNK of them,
+    while that start is in the weight."""
+    programs, threads = l2_prefetch.chunks(num_bytes), l2_prefetch.THREADS
+    starts, sizes = (torch.zeros(programs * threads, dtype=torch.int64) for _ in range(2))
+    _record_plan[(programs,)](starts, sizes, num_bytes, CHUNK=l2_prefetch.CHUNK,
+                              THREADS=threads)
     covered = torch.zeros(num_bytes, dtype=torch.int32)
-    for program in range(l2_prefetch.chunks(num_bytes)):
-        for thread in range(l2_prefetch.THREADS):
-            start = (program * l2_prefetch.THREADS + thread) * l2_prefetch.CHUNK
-            if start < num_bytes:
-                size = min(num_bytes - start, l2_prefetch.CHUNK)
-                assert size % 16 == 0 and start % 16 == 0
-                covered[start:start + size] += 1
+    for start, size in zip(starts.tolist(), sizes.tolist()):
+        if size:
+            assert size % 16 == 0 and start % 16 == 0
+            covered[start:start + size] += 1
     assert bool((covered == 1).all())
     assert l2_prefetch.chunks(num_bytes) * l2_prefetch.THREADS * l2_prefetch.CHUNK < (
         num_bytes + l2_prefetch.THREADS * l2_prefetch.CHUNK)
@@ -72,12 +97,10 @@ def test_a_projection_asks_only_for_windows_the_gpu_reads(monkeypatch):
                                                    (4096, 1536, 32), (2048, 512, 64)])
 def test_the_gate_and_up_kernel_asks_for_each_down_weight_once(hidden, inter, block_n,
                                                               monkeypatch):
-    """moe_triton.down_asks: its column tiles' asks (tile, tile + tiles, ... of ASK_VALUES
-    values each, as `_gate_up` makes them) cover the expert's H x I down weights once; none
+    """moe_triton.down_asks: its column tiles' asks (l2_prefetch.share, run in triton's
+    interpreter as `_gate_up` runs it: tile, tile + tiles, ... of ASK_VALUES values) cover the expert's H x I down weights once; none
     on the CPU, when off, for a window of more than CHOOSE_TOKENS tokens or an expert
     cache's rows."""
-    import triton
-
     from strata.layers import moe_triton
     down = torch.zeros(3, hidden, inter, dtype=torch.bfloat16)
     tiles = triton.cdiv(inter, block_n)
@@ -91,13 +114,12 @@ def test_the_gate_and_up_kernel_asks_for_each_down_weight_once(hidden, inter, bl
     assert moe_triton.down_asks(down[:, :, 1:], 1, inter, block_n, False)["ASKS"] == 0
     plan = moe_triton.down_asks(down, 2, inter, block_n, False)
     assert plan["stride_de"] == hidden * inter and plan["ASKS"] > 0
-    values, step = hidden * inter, plan["ASK_VALUES"]
+    values, asks = hidden * inter, plan["ASKS"]
+    firsts, sizes = (torch.zeros(tiles * asks, dtype=torch.int64) for _ in range(2))
+    _record_share[(tiles,)](firsts, sizes, values, ASKS=asks, ASK_VALUES=plan["ASK_VALUES"])
     covered = torch.zeros(values, dtype=torch.int32)
-    for tile in range(tiles):
-        for a in range(plan["ASKS"]):
-            first = (tile + a * tiles) * step
-            if first < values:
-                covered[first:first + min(values - first, step)] += 1
+    for first, size in zip(firsts.tolist(), sizes.tolist()):  # sizes in bytes, 16-bit values
+        covered[first:first + size // 2] += 1
     assert bool((covered == 1).all())
 
 

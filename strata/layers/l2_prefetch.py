@@ -6,11 +6,11 @@ bandwidth, but the kernels between them (the rotation, the attention and the mer
 splits) wait on latency and leave that bandwidth idle. `prefetch(w)` launches one small
 kernel whose threads each ask the SM's bulk-copy unit (TMA) for CHUNK bytes of `w` into L2
 and end: no registers, no shared memory, no SM kept busy while the bytes move. The
-projection after the latency-bound kernels then reads most of its weight from L2. The launch is a
-programmatic dependent one like the layer kernels' (strata/layers/pdl.py): it releases at
-its start and waits before it ends, so the chain's order holds; a weight is never written
-by a kernel, so reading it before the wait keeps pdl.py's rule. The prefetch is a hint:
-the product reads the same bytes with or without it.
+projection after the latency-bound kernels then reads most of its weight from L2. The
+launch is a programmatic dependent one like the layer kernels' (strata/layers/pdl.py): it
+releases at its start and waits before it ends, so the chain's order holds; a weight is
+never written by a kernel, so reading it before the wait keeps pdl.py's rule. The
+prefetch is a hint: the product reads the same bytes with or without it.
 
 Users: Attention asks for o_proj's weight once q, k and v are projected (Linear.prefetch,
 windows of up to 64 tokens); moe_triton's gate and up kernel of a 1-2 token window asks,
@@ -18,8 +18,9 @@ program by program, for its expert's down weights (`ask`), which the down kernel
 next. Only on compute capability 9.0 and newer (the bulk-copy unit) and where `enabled`
 (`--l2-prefetch`, EngineConfig; off by default: built and tested on the CPU, its speed not
 yet measured on a GPU, benchmarks/README.md); elsewhere nothing is asked. Under triton's
-interpreter (the CPU tests) there is no such instruction: `chunks` is the launch's plan as
-plain Python, and the tests compile the kernel for SM90 and read the instruction off it.
+interpreter (the CPU tests) there is no such instruction: the tests run the kernels' plans
+(`plan`, `share`: which bytes each thread asks for) there, and compile the kernel for SM90
+and read the instruction off it.
 
 NOTE: importing this module imports triton. Nothing here syncs with the host or allocates
 by data (CUDA graphs).
@@ -52,16 +53,31 @@ def ask(pointers, asks, size):
 
 
 @triton.jit
+def plan(program, num_bytes, CHUNK: tl.constexpr, THREADS: tl.constexpr):
+    """`_prefetch`'s asks of program `program`: thread i's first byte c = (program THREADS
+    + i) CHUNK, whether it asks (c inside the weight) and its size in bytes (CHUNK, the
+    last one shorter)."""
+    start = (program * THREADS + tl.arange(0, THREADS)).to(tl.int64) * CHUNK
+    return start, start < num_bytes, tl.minimum(num_bytes - start, CHUNK).to(tl.int32)
+
+
+@triton.jit
+def share(tile, tiles, values, ASKS: tl.constexpr, ASK_VALUES: tl.constexpr):
+    """Column tile `tile` of `tiles`'s asks of an expert's `values` 16-bit weights (the MoE
+    gate and up kernel's, moe_triton.down_asks): asks tile, tile + tiles, ... of ASK_VALUES
+    values each; their first values, whether each asks, and their sizes in bytes."""
+    first = (tile + tl.arange(0, ASKS) * tiles).to(tl.int64) * ASK_VALUES
+    return first, first < values, (tl.minimum(values - first, ASK_VALUES) * 2).to(tl.int32)
+
+
+@triton.jit
 def _prefetch(w_ptr, num_bytes, CHUNK: tl.constexpr, THREADS: tl.constexpr,
               PDL: tl.constexpr):
-    """Thread i of program p asks L2 for bytes [c, c + CHUNK) of w, c = (p THREADS + i)
-    CHUNK (the last chunk shorter), then the program waits for the kernel before it."""
+    """Each thread of a program asks L2 for its CHUNK bytes of w (`plan`), then the
+    program waits for the kernel before it."""
     if PDL:  # the next kernel may launch now: it reads nothing of ours
         pdl.release()
-    chunk = tl.program_id(0) * THREADS + tl.arange(0, THREADS)
-    start = chunk.to(tl.int64) * CHUNK
-    asks = start < num_bytes
-    size = tl.minimum(num_bytes - start, CHUNK).to(tl.int32)
+    start, asks, size = plan(tl.program_id(0), num_bytes, CHUNK, THREADS)
     done = ask(w_ptr + start, asks, size)
     if PDL:
         pdl.wait()

@@ -245,14 +245,11 @@ def _gate_up(x_ptr, gate_ptr, up_ptr, h_ptr,           # [T, H], [E, I, H] x2, [
         listed_ptr, counts_ptr, starts_ptr, order_ptr, rows_ptr, logits_ptr, weights_ptr,
         num_experts, inter, BLOCK_N, CACHED, CHOOSE, TOP_K, BLOCK_E, BLOCK_TOP, RANKED,
         RENORMALISE)
-    if ASKS > 0:  # asks its expert's down weights [H, I] (16-bit) into L2 for `_down`:
-        # ASK_VALUES values an ask, this column tile's asks tile, tile + tiles, ...
-        values = hidden * inter
-        first = (tl.program_id(1) + tl.arange(0, ASKS) * tl.num_programs(1)).to(
-            tl.int64) * ASK_VALUES
-        size = (tl.minimum(values - first, ASK_VALUES) * 2).to(tl.int32)
-        done = l2_prefetch.ask(down_ptr + row * stride_de + first,
-                               (first < values) & (count > 0), size)  # (padding: none)
+    if ASKS > 0:  # this tile's share of its expert's down weights [H, I] into L2 for
+        # `_down` (a listed expert no pair routes to, padding, asks for none)
+        first, asks, size = l2_prefetch.share(tl.program_id(1), tl.num_programs(1),
+                                              hidden * inter, ASKS, ASK_VALUES)
+        done = l2_prefetch.ask(down_ptr + row * stride_de + first, asks & (count > 0), size)
         tl.store(h_ptr + done, done.to(h_ptr.dtype.element_ty), mask=done != 0)  # never
     gate = gate_ptr + row * stride_ge + cols.to(tl.int64)[None, :] * stride_gi
     up = up_ptr + row * stride_ue + cols.to(tl.int64)[None, :] * stride_ui

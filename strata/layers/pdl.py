@@ -24,16 +24,16 @@ rows, table rows and norm weights, the attention (attention/triton_kernel.py) it
 positions and first block numbers, the L2 prefetch (l2_prefetch.py) the weight it asks
 for: the weights stream in while the kernels before them finish, and the metadata, which
 the host's copy and PyTorch's kernels write before a chain of PDL kernels starts, is there
-by then. A kernel may release at any point, its
-very start too: the one after it may then run beside the one before it, which the rule
-makes harmless, since `wait` returns only once the previous kernel has completed, and
-that one completed only after its own `wait` had returned. The small latency-bound
-kernels release at their start (the input norm, the rotary kernel, the attention and the
-merge of its splits, the MoE's sum of its experts), and so does a dense row GEMV whose
-programs all start at once (`one_wave`: the default model's q/k/v, o and down
-projections), so that a projection's loads start kernels early; the others release once
-their main loop is done (tests/test_pdl.py reads the rule off the kernels' source; an
-H100's solo decode of the default model's shape: 1245 -> 1505 tok/s, benchmarks/README.md).
+by then. A kernel may release at any point, its very start too: the one after it may then
+run beside the one before it, which the rule makes harmless, since `wait` returns only
+once the previous kernel has completed, and that one completed only after its own `wait`
+had returned. The small latency-bound kernels release at their start (the input norm, the
+rotary kernel, the attention and the merge of its splits, the MoE's sum of its experts),
+and so does a dense row GEMV whose programs all start at once (`one_wave`: the default
+model's q/k/v, o and down projections), so that a projection's loads start kernels early;
+the others release once their main loop is done (tests/test_pdl.py reads the rule off the
+kernels' source; an H100's solo decode of the default model's shape: 1245 -> 1505 tok/s,
+benchmarks/README.md).
 A kernel that follows without PDL (PyTorch's, cuBLAS's) waits for the whole chain as
 usual, and a PDL kernel after one of those starts once it has finished.
 
